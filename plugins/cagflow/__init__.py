@@ -1,0 +1,1 @@
+"""CAGFlow: question answering from precomputed KV caches, with retrieval fallback."""

@@ -1,0 +1,170 @@
+"""One typed configuration for every CAGFlow component.
+
+Sources, later ones winning: built-in defaults, a YAML file (``--config`` or ``CAGFLOW_CONFIG``),
+then environment variables ``CAGFLOW__SECTION__KEY=value`` (e.g. ``CAGFLOW__CACHE__MAX_RESIDENT_STATES=4``).
+Secrets never live here: S3 credentials come from the standard AWS environment variables or
+credential files, and any other secret is read from ``<NAME>`` or the file named by ``<NAME>_FILE``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "CAGFLOW__"
+CACHE_HOME = Path(os.environ.get("CAGFLOW_HOME", Path.home() / ".cache" / "cagflow"))
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the offending key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServiceConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=1, le=65535)
+    max_concurrent_requests: int = Field(8, ge=1)
+
+
+class S3Config(_Section):
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    multipart_threshold_bytes: int = Field(64 * 1024 * 1024, ge=5 * 1024 * 1024)
+    connect_timeout_s: float = Field(3.0, gt=0)
+    read_timeout_s: float = Field(30.0, gt=0)
+    max_attempts: int = Field(3, ge=1, le=10)
+
+
+class CacheConfig(_Section):
+    state_store: str = f"file://{CACHE_HOME / 'store'}"
+    max_resident_states: int = Field(8, ge=1)
+    max_resident_bytes: int = Field(4 * 1024**3, ge=1)
+    preload_on_startup: bool = True
+    s3: S3Config = S3Config()
+
+    @field_validator("state_store")
+    @classmethod
+    def _known_scheme(cls, value: str) -> str:
+        if not value.startswith(("file://", "s3://")):
+            raise ValueError("must start with file:// or s3:// (e.g. file:///var/lib/cagflow or s3://bucket/prefix)")
+        return value
+
+
+class RetrievalConfig(_Section):
+    endpoint: str = "http://127.0.0.1:9200"
+    index: str = "cagflow-chunks"
+    top_k: int = Field(4, ge=1, le=50)
+    fallback_enabled: bool = True
+    timeout_s: float = Field(5.0, gt=0)
+
+
+class ModelConfig(_Section):
+    path: str = "smollm2-135m"
+    max_context_tokens: int = Field(8192, ge=256)
+    max_new_tokens: int = Field(128, ge=1)
+    question_budget_tokens: int = Field(256, ge=16)
+    threads: int = Field(0, ge=0)
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _fits(cls, value: int) -> int:
+        if value > 4096:
+            raise ValueError("must be at most 4096")
+        return value
+
+
+class CorpusConfig(_Section):
+    manifest: str = "corpus/manifest.yaml"
+
+
+class Config(_Section):
+    service: ServiceConfig = ServiceConfig()
+    cache: CacheConfig = CacheConfig()
+    retrieval: RetrievalConfig = RetrievalConfig()
+    model: ModelConfig = ModelConfig()
+    corpus: CorpusConfig = CorpusConfig()
+
+
+def _set_path(tree: dict[str, Any], dotted: list[str], value: Any) -> None:
+    for part in dotted[:-1]:
+        node = tree.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{'.'.join(dotted)}: cannot override inside non-section {part!r}")
+        tree = node
+    tree[dotted[-1]] = value
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        dotted = name[len(ENV_PREFIX):].lower().split("__")
+        # YAML parsing turns "4" into 4 and "false" into False, like the file would.
+        _set_path(overrides, dotted, yaml.safe_load(raw) if raw != "" else "")
+    return overrides
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(p) for p in item["loc"]) or "<root>"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key")
+        else:
+            lines.append(f"{key}: {item['msg']} (got {item.get('input')!r})")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def load_config(path: str | os.PathLike[str] | None = None, environ: dict[str, str] | None = None) -> Config:
+    """Build the configuration from defaults, the YAML file and ``CAGFLOW__*`` variables."""
+    environ = dict(os.environ if environ is None else environ)
+    path = path or environ.get("CAGFLOW_CONFIG")
+    data: dict[str, Any] = {}
+    if path:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file not found: {file}")
+        try:
+            loaded = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {file} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {file} must hold a mapping of sections")
+        data = loaded
+    data = _merge(data, _env_overrides(environ))
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+def read_secret(name: str, environ: dict[str, str] | None = None) -> str | None:
+    """A secret from ``$NAME`` or from the file named by ``$NAME_FILE`` (Docker/Kubernetes secrets)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(name):
+        return environ[name]
+    file = environ.get(f"{name}_FILE")
+    if file:
+        try:
+            return Path(file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{name}_FILE: cannot read secret file {file}: {exc.strerror}") from None
+    return None

@@ -1,0 +1,172 @@
+"""Parse corpus files into titled sections.
+
+Sections are the unit for splitting a long document into snapshot parts and for chunking, so every
+format is reduced to the same shape: a title and an ordered list of (heading, text) sections.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from pathlib import Path
+
+
+class DocumentError(ValueError):
+    """A document that cannot be parsed or is unusable (empty, unknown format)."""
+
+
+@dataclass(frozen=True)
+class Section:
+    heading: str
+    text: str
+
+    def render(self) -> str:
+        return f"## {self.heading}\n{self.text}" if self.heading else self.text
+
+
+@dataclass(frozen=True)
+class ParsedDocument:
+    title: str
+    sections: tuple[Section, ...] = field(default_factory=tuple)
+
+    def render(self) -> str:
+        """The document as the model reads it: Markdown-like, one blank line between sections."""
+        return "\n\n".join(section.render() for section in self.sections)
+
+
+_MD_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+_TXT_HEADING = re.compile(r"^[A-Z0-9][A-Z0-9 &/,.'()-]{2,}$")
+
+
+def _clean(text: str) -> str:
+    lines = [line.rstrip() for line in text.strip("\n").splitlines()]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def _collect(pairs: list[tuple[str, list[str]]]) -> tuple[Section, ...]:
+    sections = []
+    for heading, body in pairs:
+        text = _clean("\n".join(body))
+        if text or heading:
+            sections.append(Section(heading.strip(), text))
+    return tuple(sections)
+
+
+def parse_markdown(text: str) -> ParsedDocument:
+    title = ""
+    pairs: list[tuple[str, list[str]]] = [("", [])]
+    in_fence = False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+        match = None if in_fence else _MD_HEADING.match(line)
+        if match and len(match.group(1)) == 1 and not title:
+            title = match.group(2)
+        elif match:
+            pairs.append((match.group(2), []))
+        else:
+            pairs[-1][1].append(line)
+    return ParsedDocument(title, _collect(pairs))
+
+
+def parse_text(text: str) -> ParsedDocument:
+    """Plain text: a line in capitals followed by a blank line starts a section."""
+    lines = text.splitlines()
+    pairs: list[tuple[str, list[str]]] = [("", [])]
+    for index, line in enumerate(lines):
+        following = lines[index + 1] if index + 1 < len(lines) else ""
+        if _TXT_HEADING.match(line.strip()) and not following.strip():
+            pairs.append((line.strip().title(), []))
+        else:
+            pairs[-1][1].append(line)
+    sections = _collect(pairs)
+    title = ""
+    if sections and not sections[0].heading and "\n" not in sections[0].text:
+        title, sections = sections[0].text, sections[1:]
+    return ParsedDocument(title, sections)
+
+
+class _HtmlSections(HTMLParser):
+    _BLOCKS = {"p", "li", "tr", "pre", "br", "div", "dt", "dd", "table", "ul", "ol"}
+    _SKIP = {"script", "style", "head"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.title = ""
+        self.pairs: list[tuple[str, list[str]]] = [("", [])]
+        self._heading: list[str] | None = None
+        self._heading_tag = ""
+        self._skip_depth = 0
+        self._in_title = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in self._SKIP:
+            self._skip_depth += 1
+        elif tag == "title":
+            self._in_title = True
+        elif re.fullmatch(r"h[1-6]", tag):
+            self._heading, self._heading_tag = [], tag
+        elif tag == "li":
+            self.pairs[-1][1].append("\n- ")
+        elif tag in self._BLOCKS:
+            self.pairs[-1][1].append("\n")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in self._SKIP:
+            self._skip_depth = max(0, self._skip_depth - 1)
+        elif tag == "title":
+            self._in_title = False
+        elif tag == self._heading_tag and self._heading is not None:
+            heading = " ".join("".join(self._heading).split())
+            if tag == "h1" and not self.title:
+                self.title = heading
+            else:
+                self.pairs.append((heading, []))
+            self._heading = None
+        elif tag in self._BLOCKS:
+            self.pairs[-1][1].append("\n")
+
+    def handle_data(self, data: str) -> None:
+        if self._in_title and not self.title:
+            self.title = data.strip()
+        elif self._skip_depth:
+            return
+        elif self._heading is not None:
+            self._heading.append(data)
+        else:
+            self.pairs[-1][1].append(data)
+
+
+def parse_html(text: str) -> ParsedDocument:
+    parser = _HtmlSections()
+    parser.feed(text)
+    parser.close()
+    pairs = []
+    for heading, parts in parser.pairs:
+        body = "".join(parts)
+        lines = [" ".join(line.split()) for line in body.splitlines()]
+        pairs.append((heading, ["\n".join(line for line in lines if line and line != "-")]))
+    return ParsedDocument(parser.title, _collect(pairs))
+
+
+PARSERS = {".md": parse_markdown, ".markdown": parse_markdown, ".txt": parse_text,
+           ".html": parse_html, ".htm": parse_html}
+
+
+def parse_file(path: str | Path, title: str | None = None) -> ParsedDocument:
+    """Parse a corpus file by extension; the manifest title, when given, wins over the file's."""
+    path = Path(path)
+    parser = PARSERS.get(path.suffix.lower())
+    if parser is None:
+        raise DocumentError(f"{path}: unsupported format {path.suffix!r} (supported: {', '.join(sorted(PARSERS))})")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DocumentError(f"{path}: file not found") from None
+    except UnicodeDecodeError as exc:
+        raise DocumentError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    parsed = parser(raw)
+    if not any(section.text.strip() for section in parsed.sections):
+        raise DocumentError(f"{path}: document has no text")
+    return ParsedDocument(title or parsed.title or path.stem, parsed.sections)
