@@ -45,11 +45,18 @@ def _clean(text: str) -> str:
 
 
 def _collect(pairs: list[tuple[str, list[str]]]) -> tuple[Section, ...]:
+    """Sections with text; a heading with no text of its own (a parent of subsections) is carried into
+    the next heading, "Ports — HTTPS", so no structure is lost."""
     sections = []
+    carried = ""
     for heading, body in pairs:
+        heading = " — ".join(h for h in (carried, heading.strip()) if h)
         text = _clean("\n".join(body))
-        if text or heading:
-            sections.append(Section(heading.strip(), text))
+        if text:
+            sections.append(Section(heading, text))
+            carried = ""
+        else:
+            carried = heading
     return tuple(sections)
 
 
@@ -99,6 +106,7 @@ class _HtmlSections(HTMLParser):
         self._heading_tag = ""
         self._skip_depth = 0
         self._in_title = False
+        self._seen_h1 = False
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if tag in self._SKIP:
@@ -119,8 +127,9 @@ class _HtmlSections(HTMLParser):
             self._in_title = False
         elif tag == self._heading_tag and self._heading is not None:
             heading = " ".join("".join(self._heading).split())
-            if tag == "h1" and not self.title:
-                self.title = heading
+            if tag == "h1" and not self._seen_h1:
+                self._seen_h1 = True  # the document's own title, not a section
+                self.title = self.title or heading
             else:
                 self.pairs.append((heading, []))
             self._heading = None
@@ -135,7 +144,7 @@ class _HtmlSections(HTMLParser):
         elif self._heading is not None:
             self._heading.append(data)
         else:
-            self.pairs[-1][1].append(data)
+            self.pairs[-1][1].append(re.sub(r"\s+", " ", data))  # in HTML a newline is just a space
 
 
 def parse_html(text: str) -> ParsedDocument:

@@ -90,7 +90,7 @@ class Snapshot:
     prefix_token_ids: list[int]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    created_at: float = field(default_factory=time.time)
+    created_at: float = field(default_factory=lambda: round(time.time(), 6))  # exact through the header
     title: str = ""
     system_prompt: str = ""  # the rendered document block, so a request can tokenise its full prompt
 

@@ -1,0 +1,66 @@
+"""Shared fixtures: a tiny random model with the real tokenizer (fast, exact), the real default model,
+and the sample corpus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS_MANIFEST = REPO / "corpus" / "manifest.yaml"
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    from cagflow.model import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer Llama with random weights and SmolLM2's tokenizer and chat template: real tokenisation,
+    grouped-query attention, and forward passes in milliseconds."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from cagflow.model import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m")))
+    torch.manual_seed(1234)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         initializer_range=0.5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                         tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    from cagflow.model import load_model
+
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model):
+    from cagflow.engine import Engine
+
+    return Engine(tiny_model, max_context_tokens=4096, max_new_tokens=24)
+
+
+@pytest.fixture(scope="session")
+def corpus_manifest_path() -> Path:
+    return CORPUS_MANIFEST
+
+
+@pytest.fixture(scope="session")
+def corpus():
+    from cagflow.manifest import CorpusManifest
+
+    return CorpusManifest.load(CORPUS_MANIFEST)

@@ -1,0 +1,68 @@
+import pytest
+
+from cagflow.config import ConfigError, load_config, read_secret
+
+
+def test_defaults_are_valid():
+    config = load_config(environ={})
+    assert config.service.port == 8080
+    assert config.cache.state_store.startswith("file://")
+    assert config.retrieval.fallback_enabled is True
+    assert config.model.path == "smollm2-135m"
+
+
+def test_yaml_file_then_environment_override(tmp_path):
+    path = tmp_path / "cagflow.yaml"
+    path.write_text("cache:\n  max_resident_states: 3\n  state_store: s3://snapshots/prod\nretrieval:\n  top_k: 6\n")
+    config = load_config(path, environ={"CAGFLOW__CACHE__MAX_RESIDENT_STATES": "5",
+                                        "CAGFLOW__RETRIEVAL__FALLBACK_ENABLED": "false",
+                                        "CAGFLOW__CACHE__S3__ENDPOINT_URL": "http://127.0.0.1:8333"})
+    assert config.cache.max_resident_states == 5
+    assert config.cache.state_store == "s3://snapshots/prod"
+    assert config.retrieval.top_k == 6
+    assert config.retrieval.fallback_enabled is False
+    assert config.cache.s3.endpoint_url == "http://127.0.0.1:8333"
+
+
+def test_config_file_named_by_environment(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("service:\n  port: 9001\n")
+    assert load_config(environ={"CAGFLOW_CONFIG": str(path)}).service.port == 9001
+
+
+@pytest.mark.parametrize("environ, key", [
+    ({"CAGFLOW__CACHE__MAX_RESIDENT_STATES": "0"}, "cache.max_resident_states"),
+    ({"CAGFLOW__CACHE__MAX_RESIDENT_STATES": "many"}, "cache.max_resident_states"),
+    ({"CAGFLOW__SERVICE__PORT": "70000"}, "service.port"),
+    ({"CAGFLOW__CACHE__STATE_STORE": "ftp://x"}, "cache.state_store"),
+    ({"CAGFLOW__RETRIEVAL__TOP_K": "-1"}, "retrieval.top_k"),
+    ({"CAGFLOW__MODEL__MAX_CONTEXT_TOKENS": "10"}, "model.max_context_tokens"),
+    ({"CAGFLOW__SERVICE__PROT": "1"}, "service.prot: unknown key"),
+])
+def test_invalid_values_name_the_key(environ, key):
+    with pytest.raises(ConfigError) as error:
+        load_config(environ=environ)
+    assert key in str(error.value)
+
+
+def test_bad_files_give_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml", environ={})
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("service: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken, environ={})
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(scalar, environ={})
+
+
+def test_secrets_from_environment_or_file(tmp_path):
+    secret = tmp_path / "key"
+    secret.write_text("s3cr3t\n")
+    assert read_secret("API_KEY", {"API_KEY": "inline"}) == "inline"
+    assert read_secret("API_KEY", {"API_KEY_FILE": str(secret)}) == "s3cr3t"
+    assert read_secret("API_KEY", {}) is None
+    with pytest.raises(ConfigError, match="API_KEY_FILE"):
+        read_secret("API_KEY", {"API_KEY_FILE": str(tmp_path / "nope")})
