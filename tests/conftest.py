@@ -3,10 +3,17 @@ and the sample corpus."""
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
 import torch
+
+import boto3
+
+if TYPE_CHECKING:
+    from cagflow.services.seaweedfs import LocalSeaweedFS
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_MANIFEST = REPO / "corpus" / "manifest.yaml"
@@ -64,3 +71,20 @@ def corpus():
     from cagflow.manifest import CorpusManifest
 
     return CorpusManifest.load(CORPUS_MANIFEST)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator["LocalSeaweedFS"]:
+    """One real SeaweedFS for the session, started on first use; while it runs its credentials are the
+    only ones in the environment (boto3's cached default session is reset so it sees them)."""
+    from cagflow.services.seaweedfs import LocalSeaweedFS
+
+    server = LocalSeaweedFS(tmp_path_factory.mktemp("seaweedfs"), access_key=secrets.token_hex(10),
+                            secret_key=secrets.token_hex(20))
+    with server, pytest.MonkeyPatch.context() as session_env:
+        session_env.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+        session_env.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+        for variable in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+            session_env.delenv(variable, raising=False)
+        session_env.setattr(boto3, "DEFAULT_SESSION", None)
+        yield server

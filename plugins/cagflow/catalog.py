@@ -59,10 +59,27 @@ def _existing(store: SnapshotStore, key: SnapshotKey) -> ReleaseEntry | None:
     return _entry(key, meta.get("title", ""), int(meta["n_tokens"]), float(meta["created_at"]), data, info.sha256)
 
 
+def store_snapshot(store: SnapshotStore, snapshot: Snapshot) -> tuple[ReleaseEntry, bool]:
+    """Write a snapshot under its key; returns its release entry and whether this call wrote it.
+
+    If a concurrent writer got there first, its object is used when it verifies.
+    """
+    key = snapshot.key
+    data = snapshot.to_bytes()
+    try:
+        info = store.put(key.object_name, data)
+    except AlreadyExists:
+        existing = _existing(store, key)
+        if existing is None:
+            raise SnapshotUnusable(f"{key}: exists in {store.url} but does not verify; delete it and rerun") from None
+        return existing, False
+    return _entry(key, snapshot.title, snapshot.n_tokens, snapshot.created_at, data, info.sha256), True
+
+
 def precompute_part(engine: Engine, store: SnapshotStore, part: DocumentPart, force: bool = False) -> PrecomputeResult:
     """Compute and store one part's snapshot unless a verified one is already there.
 
-    ``force`` recomputes and checks the result matches, but never overwrites: a stored version is immutable.
+    ``force`` recomputes, but never overwrites: a stored version is immutable.
     """
     started = time.perf_counter()
     key = SnapshotKey.for_model(part.doc_id, part.doc_version, engine.fingerprint, part.part)
@@ -70,17 +87,8 @@ def precompute_part(engine: Engine, store: SnapshotStore, part: DocumentPart, fo
         existing = _existing(store, key)
         if existing is not None:
             return PrecomputeResult(existing, True, time.perf_counter() - started)
-    snapshot = engine.precompute(part)
-    data = snapshot.to_bytes()
-    try:
-        info = store.put(key.object_name, data)
-    except AlreadyExists:
-        existing = _existing(store, key)  # a concurrent writer won; use its object if it is sound
-        if existing is None:
-            raise SnapshotUnusable(f"{key}: exists in {store.url} but does not verify; delete it and rerun") from None
-        return PrecomputeResult(existing, True, time.perf_counter() - started)
-    entry = _entry(key, part.title, snapshot.n_tokens, snapshot.created_at, data, info.sha256)
-    return PrecomputeResult(entry, False, time.perf_counter() - started)
+    entry, written = store_snapshot(store, engine.precompute(part))
+    return PrecomputeResult(entry, not written, time.perf_counter() - started)
 
 
 def precompute_all(engine: Engine, store: SnapshotStore, parts: Iterable[DocumentPart], force: bool = False,

@@ -187,7 +187,7 @@ class LocalStore(SnapshotStore):
         path = self._path(name)
         try:
             stat = path.stat()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         return ObjectInfo(name, stat.st_size, self._stored_sha(path), stat.st_mtime)
 
@@ -226,7 +226,8 @@ class S3Store(SnapshotStore):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
-        self.client = client or boto3.client(
+        # A session of its own: boto3's shared default session caches the first credentials it resolves.
+        self.client = client or boto3.session.Session().client(
             "s3",
             endpoint_url=self.settings.endpoint_url,
             region_name=self.settings.region,
@@ -293,6 +294,12 @@ class S3Store(SnapshotStore):
         except BaseException:
             self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
             raise
+        if condition:
+            # Some S3-compatible servers check IfNoneMatch before, not atomically with, completing: two
+            # racing uploads can both complete. The one whose bytes are not there lost.
+            stored = self.client.head_object(Bucket=self.bucket, Key=key).get("Metadata", {}).get("sha256")
+            if stored != digest:
+                raise AlreadyExists(f"{self._name(key)} already exists in {self.url}")
 
     def get(self, name: str, *, sha256: str | None = None) -> bytes:
         try:
@@ -314,7 +321,7 @@ class S3Store(SnapshotStore):
                           reply["LastModified"].timestamp())
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        full = self._key(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix  # a prefix such as "releases/" is no object name
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
                 for item in page.get("Contents", []):

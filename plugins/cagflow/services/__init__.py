@@ -1,0 +1,1 @@
+"""Local service runners used by development tooling and tests."""
