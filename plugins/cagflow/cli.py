@@ -123,6 +123,36 @@ def cmd_config(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def _opensearch_run_args(config: Config) -> list[str]:
+    from urllib.parse import urlparse
+
+    from .config import CACHE_HOME
+
+    endpoint = urlparse(config.retrieval.endpoint)
+    if endpoint.hostname not in ("127.0.0.1", "localhost"):
+        raise ValueError(f"retrieval.endpoint {config.retrieval.endpoint} is not local; "
+                         "`cagflow opensearch up` only starts a node on 127.0.0.1")
+    return ["--data-dir", str(CACHE_HOME / "opensearch-data"), "--port", str(endpoint.port or 9200)]
+
+
+SERVICES = {"opensearch": _opensearch_run_args}
+
+
+def cmd_service(args: argparse.Namespace, config: Config) -> int:
+    from .services import background
+
+    if args.action == "up":
+        state = background.up(args.service, SERVICES[args.service](config))
+        print(f"{args.service} is up at {state.url} (pid {state.pid}, log {state.log})")
+    elif args.action == "down":
+        print(f"{args.service} stopped" if background.down(args.service) else f"{args.service} was not running")
+    else:
+        state = background.status(args.service)
+        print(f"{args.service} is up at {state.url} (pid {state.pid})" if state else f"{args.service} is not running")
+        return 0 if state else 3
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace, config: Config) -> int:
     from .demo import run_demo
 
@@ -162,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("config", help="print the effective configuration")
     show.set_defaults(run=cmd_config)
 
+    for service in SERVICES:
+        runner = commands.add_parser(service, help=f"start, stop or check a local {service} in the background")
+        runner.add_argument("action", choices=("up", "down", "status"))
+        runner.set_defaults(run=cmd_service, service=service)
+
     demo = commands.add_parser("demo", help="precompute the sample corpus, answer sample questions both ways")
     demo.add_argument("--questions", type=int, default=5, help="how many sample questions (default 5)")
     demo.add_argument("--max-new-tokens", type=int, default=48)
@@ -176,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     from .manifest import ManifestError
     from .model import ModelError
     from .prompt import PromptError
+    from .services.background import ServiceError
     from .stores import StoreError
 
     args = build_parser().parse_args(argv)
     expected = (ConfigError, ManifestError, DocumentError, PromptError, StoreError, ModelError, SnapshotUnusable,
-                SnapshotMismatch, ValueError, OSError)
+                SnapshotMismatch, ServiceError, ValueError, OSError)
     try:
         config = load_config(args.config)
         return args.run(args, config)

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterator
 
+from .background import serve_until_stopped
+
 OPENSEARCH_VERSION = "2.19.1"
 PLUGIN_VERSION = f"{OPENSEARCH_VERSION}.0"
 PLUGIN_NAMES = ("opensearch-knn", "opensearch-neural-search")
@@ -499,24 +501,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--data-dir", required=True, type=Path)
     run.add_argument("--port", type=int)
     run.add_argument("--heap", default="512m")
+    run.add_argument("--ready-file", type=Path, help="write the URL here once the node is ready")
     args = parser.parse_args(argv)
     if args.command == "fetch":
         print(ensure_distribution())
         return 0
     with LocalOpenSearch(args.data_dir, port=args.port, heap=args.heap) as node:
-        print(node.url, flush=True)
-        stop_requested = False
-
-        def request_stop(*_: object) -> None:
-            nonlocal stop_requested
-            stop_requested = True
-
-        signal.signal(signal.SIGTERM, request_stop)
-        try:
-            while not stop_requested and node.is_running():
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
+        serve_until_stopped(node.url, args.ready_file, node.is_running)
     return 0
 
 
