@@ -153,6 +153,25 @@ def cmd_service(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+DELEGATED = {"triton": ("cagflow.services.triton", "start, stop or check a local Triton server (up|down|status)")}
+
+
+def _run_delegated(argv: list[str]) -> int | None:
+    """Services with a command line of their own: `cagflow [--config F] triton up ...` runs theirs,
+    with the global --config passed on to `up`."""
+    import importlib
+
+    config = None
+    if argv[:1] == ["--config"] and len(argv) > 2:
+        config, argv = argv[1], argv[2:]
+    if not argv or argv[0] not in DELEGATED:
+        return None
+    rest = argv[1:]
+    if config and rest[:1] == ["up"] and "--config" not in rest:
+        rest += ["--config", config]
+    return importlib.import_module(DELEGATED[argv[0]][0]).main(rest)
+
+
 def cmd_demo(args: argparse.Namespace, config: Config) -> int:
     from .demo import run_demo
 
@@ -197,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
         runner.add_argument("action", choices=("up", "down", "status"))
         runner.set_defaults(run=cmd_service, service=service)
 
+    for name, (_, summary) in DELEGATED.items():
+        commands.add_parser(name, help=summary)  # listed in --help; run by _run_delegated
+
     demo = commands.add_parser("demo", help="precompute the sample corpus, answer sample questions both ways")
     demo.add_argument("--questions", type=int, default=5, help="how many sample questions (default 5)")
     demo.add_argument("--max-new-tokens", type=int, default=48)
@@ -214,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     from .services.background import ServiceError
     from .stores import StoreError
 
+    argv = sys.argv[1:] if argv is None else argv
+    delegated = _run_delegated(argv)
+    if delegated is not None:
+        return delegated
     args = build_parser().parse_args(argv)
     expected = (ConfigError, ManifestError, DocumentError, PromptError, StoreError, ModelError, SnapshotUnusable,
                 SnapshotMismatch, ServiceError, ValueError, OSError)

@@ -1,0 +1,440 @@
+"""The resident snapshot set of one serving process: which snapshots stay in memory, and for which release.
+
+- Bounded LRU: at most ``cache.max_resident_states`` snapshots and ``cache.max_resident_bytes`` of tensors;
+  this module is the only place that evicts.
+- Every load goes through ``catalog.load_snapshot`` (sha256 against the release, header names the key).
+- Single flight: concurrent requests for a missing key wait for one load instead of each reading the store.
+- A snapshot that fails verification is quarantined: later requests fail at once, without touching the
+  store, until another release is activated. An unreachable store is not a property of the snapshot, so
+  it is not quarantined.
+- A request pins the release it started on (``pin()``); ``activate`` swaps releases atomically, and
+  requests in flight keep using the old one's snapshots (they hold references; nothing is mutated).
+- Access counts ("heat") are kept in the store, one object per replica, so preload can start with the
+  snapshots that were asked for most, on any replica, before a restart. Nothing assumes a shared disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from .catalog import SnapshotUnusable, load_snapshot
+from .manifest import Release, ReleaseEntry
+from .snapshot import Snapshot
+from .stores import NotFound, SnapshotStore, StoreError, StoreUnavailable
+
+log = logging.getLogger("cagflow.resident")
+
+HEAT_PREFIX = "heat/"
+
+
+class NoActiveRelease(RuntimeError):
+    """No release is active yet: nothing can be answered from a snapshot."""
+
+
+class UnknownSnapshot(LookupError):
+    """The key (or document) is not part of the active release."""
+
+
+class SnapshotQuarantined(SnapshotUnusable):
+    """The snapshot failed verification under the active release; it is not retried until the release changes."""
+
+
+class ReleaseMismatch(ValueError):
+    """The release was built for another model: none of its snapshots could be used."""
+
+
+class ResidentListener:
+    """Receives what the resident set does, e.g. to export metrics. Called from request threads; the
+    default implementation ignores everything."""
+
+    def on_hit(self) -> None: ...
+
+    def on_miss(self) -> None: ...
+
+    def on_load(self, seconds: float, nbytes: int) -> None: ...
+
+    def on_evict(self) -> None: ...
+
+    def on_store_error(self) -> None: ...
+
+    def on_quarantine(self, quarantined: int) -> None: ...
+
+    def on_resident(self, states: int, nbytes: int) -> None: ...
+
+
+_REPLICA = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class HeatLog:
+    """Access counts per snapshot key, stored as ``heat/{replica}.json``.
+
+    Each replica writes only its own object (so replicas never overwrite each other's counts) and reads
+    all of them to rank snapshots: a new replica preloads what the fleet asks for most.
+    """
+
+    def __init__(self, store: SnapshotStore, replica_id: str, flush_interval_s: float = 60.0):
+        self.store = store
+        self.replica_id = _REPLICA.sub("-", replica_id).strip("-.") or "replica"
+        self.object_name = f"{HEAT_PREFIX}{self.replica_id}.json"
+        self.flush_interval_s = flush_interval_s
+        self._lock = threading.Lock()
+        self._own: dict[str, int] = {}
+        self._others: dict[str, int] = {}
+        self._dirty = False
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+
+    def load(self) -> None:
+        """Read every replica's counts; this replica's own become its running totals."""
+        own: dict[str, int] = {}
+        others: dict[str, int] = {}
+        try:
+            for info in self.store.list(HEAT_PREFIX):
+                counts = self._read(info.name)
+                target = own if info.name == self.object_name else others
+                for key, count in counts.items():
+                    target[key] = target.get(key, 0) + count
+        except StoreError as exc:
+            log.warning("heat counts unavailable (%s); preloading in release order", exc)
+        with self._lock:
+            self._own, self._others = own, others
+
+    def _read(self, name: str) -> dict[str, int]:
+        try:
+            data = json.loads(self.store.get(name))
+            return {str(k): int(v) for k, v in data["counts"].items() if int(v) > 0}
+        except NotFound:
+            return {}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("ignoring unreadable heat object %s: %s", name, exc)
+            return {}
+
+    def record(self, key: str) -> None:
+        with self._lock:
+            self._own[key] = self._own.get(key, 0) + 1
+            self._dirty = True
+
+    def counts(self) -> dict[str, int]:
+        """Fleet-wide counts: every replica's at load time plus this replica's since."""
+        with self._lock:
+            merged = dict(self._others)
+            for key, count in self._own.items():
+                merged[key] = merged.get(key, 0) + count
+            return merged
+
+    def flush(self) -> bool:
+        """Write this replica's counts if they changed; False (and logged) when the store refused."""
+        with self._lock:
+            if not self._dirty:
+                return True
+            payload = {"replica": self.replica_id, "updated_at": time.time(), "counts": dict(self._own)}
+            self._dirty = False
+        try:
+            self.store.put(self.object_name, json.dumps(payload, sort_keys=True).encode(), overwrite=True)
+            return True
+        except (StoreError, ValueError) as exc:
+            with self._lock:
+                self._dirty = True
+            log.warning("could not save heat counts to %s: %s", self.store.url, exc)
+            return False
+
+    def start(self) -> None:
+        """Flush in the background every ``flush_interval_s`` so a crash loses at most that much."""
+        if self._flusher is None and self.flush_interval_s > 0:
+            self._flusher = threading.Thread(target=self._flush_periodically, name="cagflow-heat", daemon=True)
+            self._flusher.start()
+
+    def _flush_periodically(self) -> None:
+        while not self._stop.wait(self.flush_interval_s):
+            self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._flusher is not None:
+            self._flusher.join(timeout=5)
+            self._flusher = None
+        self.flush()
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """A snapshot handed to one request, with how it was obtained."""
+
+    snapshot: Snapshot
+    entry: ReleaseEntry
+    release_id: str
+    resident_hit: bool
+    load_s: float  # time spent loading or waiting for another request's load; 0 on a hit
+
+
+@dataclass(frozen=True)
+class ReleaseSwitch:
+    previous: str | None
+    current: str
+    kept: int  # resident snapshots that the new release shares (same key and sha256)
+    dropped: int
+
+    @property
+    def changed(self) -> bool:
+        return self.previous != self.current
+
+
+@dataclass
+class PreloadReport:
+    release_id: str
+    loaded: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class ResidentState:
+    release_id: str | None
+    keys: list[str]  # least recently used first
+    nbytes: int
+    quarantined: dict[str, str]
+
+
+@dataclass
+class _Resident:
+    sha256: str
+    snapshot: Snapshot
+    nbytes: int
+
+
+class _Generation:
+    """One activated release with its own quarantine and in-progress loads; replaced whole on a switch."""
+
+    def __init__(self, release: Release):
+        self.release = release
+        self.entries = {entry.key: entry for entry in release.snapshots}
+        self.quarantine: dict[str, str] = {}
+        self.loading: dict[str, Future] = {}
+
+
+class ReleaseView:
+    """The release a request started on; all its lookups stay on that release even if another one is
+    activated meanwhile."""
+
+    def __init__(self, owner: "ResidentSet", generation: _Generation):
+        self._owner = owner
+        self._generation = generation
+
+    @property
+    def release(self) -> Release:
+        return self._generation.release
+
+    def entries_for_doc(self, doc_id: str) -> list[ReleaseEntry]:
+        return self.release.for_doc(doc_id)
+
+    def acquire(self, key: str) -> Acquired:
+        return self._owner._acquire(self._generation, key, count=True)
+
+
+class ResidentSet:
+    """The snapshots kept in memory by one serving process, for the active release."""
+
+    def __init__(self, store: SnapshotStore, model_fingerprint: str, max_states: int, max_bytes: int,
+                 heat: HeatLog | None = None, listener: ResidentListener | None = None):
+        if max_states < 1 or max_bytes < 1:
+            raise ValueError("max_states and max_bytes must be at least 1")
+        self.store = store
+        self.model_fingerprint = model_fingerprint
+        self.max_states = max_states
+        self.max_bytes = max_bytes
+        self.heat = heat
+        self.listener = listener or ResidentListener()
+        self._lock = threading.Lock()
+        self._resident: OrderedDict[str, _Resident] = OrderedDict()
+        self._bytes = 0
+        self._generation: _Generation | None = None
+
+    # ---- release -----------------------------------------------------------------------------------
+
+    @property
+    def release(self) -> Release | None:
+        generation = self._generation
+        return generation.release if generation is not None else None
+
+    def pin(self) -> ReleaseView:
+        generation = self._generation
+        if generation is None:
+            raise NoActiveRelease("no release is active: publish one (`cagflow precompute`) and reload")
+        return ReleaseView(self, generation)
+
+    def activate(self, release: Release) -> ReleaseSwitch:
+        """Make ``release`` the one new requests use; resident snapshots it shares stay, the rest go.
+
+        Requests already running hold their own references, so they finish on the old release.
+        """
+        if release.model_fingerprint != self.model_fingerprint:
+            raise ReleaseMismatch(f"release {release.release_id} was built for model "
+                                  f"{release.model_fingerprint[:16]}, this server runs {self.model_fingerprint[:16]}")
+        with self._lock:
+            previous = self._generation
+            if previous is not None and previous.release.release_id == release.release_id:
+                return ReleaseSwitch(release.release_id, release.release_id, len(self._resident), 0)
+            self._generation = _Generation(release)
+            wanted = {(entry.key, entry.sha256) for entry in release.snapshots}
+            dropped = [key for key, item in self._resident.items() if (key, item.sha256) not in wanted]
+            for key in dropped:
+                self._bytes -= self._resident.pop(key).nbytes
+            states, nbytes, kept = len(self._resident), self._bytes, len(self._resident)
+        self.listener.on_resident(states, nbytes)
+        self.listener.on_quarantine(0)
+        return ReleaseSwitch(previous.release.release_id if previous else None, release.release_id, kept, len(dropped))
+
+    # ---- lookups -----------------------------------------------------------------------------------
+
+    def acquire(self, key: str) -> Acquired:
+        """The snapshot ``key`` of the active release; see ``pin`` to keep several lookups consistent."""
+        return self.pin().acquire(key)
+
+    def _acquire(self, generation: _Generation, key: str, count: bool) -> Acquired:
+        release_id = generation.release.release_id
+        with self._lock:
+            entry = generation.entries.get(key)
+            if entry is None:
+                raise UnknownSnapshot(f"snapshot {key!r} is not in release {release_id} "
+                                      f"({len(generation.entries)} snapshots)")
+            if count and self.heat is not None:
+                self.heat.record(key)
+            reason = generation.quarantine.get(key)
+            if reason is not None:
+                raise SnapshotQuarantined(f"{reason}; quarantined until the release changes (now {release_id})")
+            resident = self._resident.get(key)
+            if resident is not None and resident.sha256 == entry.sha256:
+                self._resident.move_to_end(key)
+                hit = Acquired(resident.snapshot, entry, release_id, True, 0.0)
+            else:
+                hit = None
+                pending = generation.loading.get(key)
+                owner = pending is None
+                if owner:
+                    pending = generation.loading[key] = Future()
+        if hit is not None:
+            if count:
+                self.listener.on_hit()
+            return hit
+        if count:
+            self.listener.on_miss()
+        started = time.perf_counter()
+        if owner:
+            self._load(generation, entry, pending)
+        snapshot = pending.result()
+        return Acquired(snapshot, entry, release_id, False, time.perf_counter() - started)
+
+    def _load(self, generation: _Generation, entry: ReleaseEntry, pending: Future) -> None:
+        """Load and verify once for every waiter; admit the result if the release still wants it."""
+        started = time.perf_counter()
+        try:
+            snapshot = load_snapshot(self.store, entry)
+            if snapshot.model_fingerprint != self.model_fingerprint:
+                raise SnapshotUnusable(f"snapshot {entry.key} was built by model {snapshot.model_fingerprint[:16]}")
+        except SnapshotUnusable as exc:
+            with self._lock:
+                generation.quarantine[entry.key] = str(exc)
+                generation.loading.pop(entry.key, None)
+                quarantined = len(generation.quarantine) if generation is self._generation else None
+            log.error("%s; quarantined until the release changes", exc)
+            if quarantined is not None:
+                self.listener.on_quarantine(quarantined)
+            pending.set_exception(SnapshotQuarantined(f"{exc}; quarantined until the release changes"))
+            return
+        except BaseException as exc:  # store down, out of memory...: waiters get the error, nothing is cached
+            with self._lock:
+                generation.loading.pop(entry.key, None)
+            if isinstance(exc, StoreError):
+                self.listener.on_store_error()
+            pending.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        seconds = time.perf_counter() - started
+        self.listener.on_load(seconds, snapshot.nbytes)
+        with self._lock:
+            generation.loading.pop(entry.key, None)
+            current = self._generation
+            wanted = current is not None and (entry.key in current.entries and
+                                              current.entries[entry.key].sha256 == entry.sha256)
+            admitted = self._admit(entry.key, entry.sha256, snapshot) if wanted else None
+        if admitted is not None:
+            evicted, states, nbytes = admitted
+            for _ in range(evicted):
+                self.listener.on_evict()
+            self.listener.on_resident(states, nbytes)
+        pending.set_result(snapshot)
+
+    def _admit(self, key: str, sha256: str, snapshot: Snapshot) -> tuple[int, int, int] | None:
+        """Insert as most recently used, evicting least recently used ones to fit; caller holds the lock."""
+        nbytes = snapshot.nbytes
+        if nbytes > self.max_bytes:
+            log.warning("snapshot %s (%d bytes) exceeds cache.max_resident_bytes=%d: served but not kept",
+                        key, nbytes, self.max_bytes)
+            return None
+        evicted = 0
+        previous = self._resident.pop(key, None)
+        if previous is not None:
+            self._bytes -= previous.nbytes
+        while self._resident and (len(self._resident) >= self.max_states or self._bytes + nbytes > self.max_bytes):
+            _, victim = self._resident.popitem(last=False)
+            self._bytes -= victim.nbytes
+            evicted += 1
+        self._resident[key] = _Resident(sha256, snapshot, nbytes)
+        self._bytes += nbytes
+        return evicted, len(self._resident), self._bytes
+
+    # ---- preload and state -------------------------------------------------------------------------
+
+    def preload(self) -> PreloadReport:
+        """Load the active release's snapshots, most asked-for first, until the budget is full.
+
+        Preloading never evicts: it stops at ``max_states`` and skips snapshots that would exceed
+        ``max_bytes``. A corrupt snapshot is quarantined and skipped; an unreachable store ends it.
+        """
+        generation = self._generation
+        if generation is None:
+            raise NoActiveRelease("no release is active: nothing to preload")
+        started = time.perf_counter()
+        report = PreloadReport(generation.release.release_id)
+        heat = self.heat.counts() if self.heat is not None else {}
+        order = sorted(enumerate(generation.release.snapshots),
+                       key=lambda item: (-heat.get(item[1].key, 0), item[0]))
+        for _, entry in order:
+            with self._lock:
+                if len(self._resident) >= self.max_states:
+                    break
+                if entry.key in self._resident or self._bytes + entry.bytes > self.max_bytes:
+                    continue
+            try:
+                acquired = self._acquire(generation, entry.key, count=False)
+            except SnapshotUnusable as exc:
+                report.failed[entry.key] = str(exc)
+                continue
+            except StoreUnavailable as exc:
+                report.failed[entry.key] = str(exc)
+                log.error("preload stopped: %s", exc)
+                break
+            report.loaded.append(entry.key)
+            report.nbytes += acquired.snapshot.nbytes
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def state(self) -> ResidentState:
+        with self._lock:
+            generation = self._generation
+            return ResidentState(generation.release.release_id if generation else None, list(self._resident),
+                                 self._bytes, dict(generation.quarantine) if generation else {})
+
+    def close(self) -> None:
+        """Save the heat counts; resident snapshots are simply released with the process."""
+        if self.heat is not None:
+            self.heat.close()

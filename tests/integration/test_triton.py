@@ -1,0 +1,283 @@
+"""The Triton models on a real ``tritonserver`` (started here on 127.0.0.1, free ports), through the
+example client: answers identical to the in-process engine, errors, quarantine, LRU, reload under load,
+metrics, streaming and precompute. Most tests use the tiny random model; one uses the real one."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import threading
+
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from cagflow.catalog import load_snapshot, precompute_part
+from cagflow.documents import parse_file
+from cagflow.engine import Engine
+from cagflow.manifest import Release, ReleaseEntry, publish_release
+from cagflow.prompt import Passage
+from cagflow.services.triton import DEFAULT_MODEL_REPOSITORY, LocalTriton
+from cagflow.stores import LocalStore
+
+pytestmark = pytest.mark.integration
+
+QUESTION = "Which port does the web console use?"
+MAX_NEW_TOKENS = 24
+
+
+def _load_client():
+    spec = importlib.util.spec_from_file_location("client_example", DEFAULT_MODEL_REPOSITORY / "client_example.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+client = _load_client()
+
+
+def server_environment(model_path, store_root, max_resident_states: int, max_context_tokens: int) -> dict[str, str]:
+    return {
+        "CAGFLOW__MODEL__PATH": str(model_path),
+        "CAGFLOW__MODEL__MAX_CONTEXT_TOKENS": str(max_context_tokens),
+        "CAGFLOW__MODEL__MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
+        "CAGFLOW__MODEL__QUESTION_BUDGET_TOKENS": "128",
+        "CAGFLOW__CACHE__STATE_STORE": f"file://{store_root}",
+        "CAGFLOW__CACHE__MAX_RESIDENT_STATES": str(max_resident_states),
+        "CAGFLOW__CACHE__PRELOAD_ON_STARTUP": "true",
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model, corpus, tmp_path_factory):
+    """An engine and a store with a published release: the first part (~600 tokens) of each fixed document."""
+    engine = Engine(tiny_model, max_context_tokens=900, max_new_tokens=MAX_NEW_TOKENS, question_budget_tokens=128)
+    store = LocalStore(tmp_path_factory.mktemp("triton-store"))
+    entries = []
+    for document in corpus.tier("fixed"):
+        part = engine.split(document.doc_id, document.version, parse_file(corpus.file(document), document.title))[0]
+        entries.append(precompute_part(engine, store, part).entry)
+    release = Release.build(engine.fingerprint, entries)
+    publish_release(store, release)
+    return engine, store, release
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tiny_model_dir, tmp_path_factory):
+    _, store, _ = tiny
+    environment = server_environment(tiny_model_dir, store.root, max_resident_states=2, max_context_tokens=2048)
+    with LocalTriton(tmp_path_factory.mktemp("triton-run"), environment=environment) as triton:
+        yield triton
+
+
+def error_of(call, *args, **kwargs) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as caught:
+        result = call(*args, **kwargs)
+        if hasattr(result, "__next__"):
+            list(result)
+    return caught.value
+
+
+def metric(text: str, name: str, model: str) -> float:
+    match = re.search(rf'^{name}{{[^}}]*model="{model}"[^}}]*}} (\S+)$', text, re.MULTILINE)
+    assert match, f"{name} for {model} not on the metrics port"
+    return float(match.group(1))
+
+
+def test_server_is_ready_with_every_model_and_logs_its_start(server):
+    assert server.is_ready()
+    log = server.console_log.read_text()
+    for model in ("cag_llm", "cag_llm_stream"):
+        assert re.search(rf"\[cagflow {model}_0_0\] INFO ready in [\d.]+ s .*resident snapshots.*RSS", log)
+    assert "[cagflow cag_precompute_0_0] INFO ready" in log
+
+
+def test_cache_path_is_token_identical_to_the_full_prompt(server, tiny):
+    engine, store, release = tiny
+    entry = release.snapshots[0]
+    reply = client.ask(server.http_url, QUESTION, entry.key, request_id="exact-1")
+    expected = engine.answer(QUESTION, snapshot=load_snapshot(store, entry), reuse_cache=False,
+                             max_new_tokens=MAX_NEW_TOKENS)
+    assert reply["TOKEN_IDS"] == expected.token_ids and reply["ANSWER"] == expected.text
+    assert reply["CACHE_HIT"] is True and reply["ROUTE"] == "cache"
+    assert reply["REUSED_TOKENS"] == entry.n_tokens and reply["PROMPT_TOKENS"] == expected.prompt_tokens
+    assert reply["SNAPSHOT_KEY"] == entry.key and reply["RELEASE_ID"] == release.release_id
+    assert reply["REQUEST_ID"] == "exact-1" and reply["TTFT_MS"] > 0 and reply["GEN_MS"] >= reply["TTFT_MS"]
+
+
+def test_a_doc_id_selects_that_documents_snapshot(server, tiny):
+    _, _, release = tiny
+    entry = release.snapshots[0]
+    reply = client.ask(server.http_url, QUESTION, entry.doc_id)
+    assert reply["SNAPSHOT_KEY"] == entry.key and reply["CACHE_HIT"] is True
+
+
+def test_retrieval_path_answers_from_the_context(server, tiny):
+    engine, _, _ = tiny
+    passages = [{"text": "The web console listens on port 8443.", "title": "Admin manual", "section": "Ports"},
+                "Backups are kept for 35 days."]
+    reply = client.ask(server.http_url, QUESTION, context=json.dumps(passages))
+    expected = engine.answer(QUESTION, context=[Passage(**passages[0]), Passage(passages[1])],
+                             max_new_tokens=MAX_NEW_TOKENS)
+    assert reply["ROUTE"] == "retrieval" and reply["CACHE_HIT"] is False and reply["REUSED_TOKENS"] == 0
+    assert reply["TOKEN_IDS"] == expected.token_ids and reply["SNAPSHOT_KEY"] == ""
+
+
+def test_unknown_key_and_bad_inputs_are_clear_errors(server, tiny):
+    _, _, release = tiny
+    unknown = error_of(client.ask, server.http_url, QUESTION, "no-such-doc/1/0123456789abcdef", request_id="r-404")
+    assert unknown.status() == "404"
+    assert "request r-404: snapshot 'no-such-doc/1/0123456789abcdef' is not in release" in unknown.message()
+    assert error_of(client.ask, server.http_url, QUESTION, "no-such-doc").status() == "404"
+    both = error_of(client.ask, server.http_url, QUESTION, release.snapshots[0].key, context='["x"]')
+    assert both.status() == "400" and "not both" in both.message()
+    assert "not valid JSON" in error_of(client.ask, server.http_url, QUESTION, context="{").message()
+    assert "question is empty" in error_of(client.ask, server.http_url, "   ").message()
+    assert "MAX_NEW_TOKENS" in error_of(client.ask, server.http_url, QUESTION, max_new_tokens=0).message()
+    assert server.is_ready()  # nothing above hurt the stub
+
+
+def test_lru_eviction_at_max_resident_states(server, tiny):
+    _, _, release = tiny
+    k1, k2, k3 = (entry.key for entry in release.snapshots[1:4])
+
+    def resident_hit(key: str) -> bool:
+        return client.ask(server.http_url, QUESTION, key, max_new_tokens=1)["RESIDENT_HIT"]
+
+    resident_hit(k2)
+    resident_hit(k3)  # whatever was resident before, now exactly k2 and k3 are (max_resident_states=2)
+    assert [resident_hit(key) for key in (k2, k1, k3, k1)] == [True, False, False, True]
+    metrics = server.metrics_text()
+    assert metric(metrics, "cagflow_resident_states", "cag_llm") == 2
+    assert metric(metrics, "cagflow_snapshot_evictions_total", "cag_llm") >= 2
+
+
+def test_corrupt_snapshot_is_an_error_and_quarantined_without_retries(server, tiny):
+    _, store, release = tiny
+    victim = release.snapshots[4]
+    path = store.root / victim.object_name
+    path.write_bytes(path.read_bytes()[:-128] + b"\xff" * 128)
+    first = error_of(client.ask, server.http_url, QUESTION, victim.key)
+    assert first.status() == "503" and "is corrupt" in first.message() and "quarantined" in first.message()
+    for _ in range(3):
+        again = error_of(client.ask, server.http_url, QUESTION, victim.key)
+        assert again.status() == "503" and "quarantined until the release changes" in again.message()
+    log = server.console_log.read_text()
+    assert len(re.findall(rf"\[cagflow cag_llm_0_0\] ERROR snapshot {re.escape(victim.key)} is corrupt", log)) == 1
+    assert metric(server.metrics_text(), "cagflow_quarantined_snapshots", "cag_llm") == 1
+    assert server.is_ready()
+
+
+def test_custom_metrics_on_the_metrics_port(server):
+    text = server.metrics_text()
+    assert metric(text, "cagflow_snapshot_hits_total", "cag_llm") >= 2
+    assert metric(text, "cagflow_snapshot_misses_total", "cag_llm") >= 2
+    assert 0 < metric(text, "cagflow_resident_bytes", "cag_llm") < 2 * 1024 ** 2
+    assert metric(text, "cagflow_snapshot_load_seconds_count", "cag_llm") >= 2
+    assert metric(text, "cagflow_store_errors_total", "cag_llm") == 0
+    assert metric(text, "cagflow_resident_states", "cag_llm_stream") == 2
+
+
+def test_streaming_yields_the_same_tokens_as_the_plain_answer(server, tiny):
+    _, _, release = tiny
+    key = release.snapshots[0].key
+    plain = client.ask(server.http_url, QUESTION, key)
+    items = list(client.stream(server.grpc_url, QUESTION, key))
+    pieces, final = items[:-1], items[-1]
+    assert len(pieces) > 1 and all(isinstance(piece, str) for piece in pieces)
+    assert "".join(pieces).strip() == final["ANSWER"] == plain["ANSWER"]
+    assert final["TOKEN_IDS"] == plain["TOKEN_IDS"] and final["CACHE_HIT"] is True
+    unknown = error_of(client.stream, server.grpc_url, QUESTION, "no-such-doc/1/0123456789abcdef")
+    assert "is not in release" in unknown.message()
+
+
+@pytest.fixture(scope="module")
+def second_release(tiny, corpus):
+    """Four of the documents at a new version (new keys): written to the store but not activated."""
+    engine, store, _ = tiny
+    entries = []
+    for document in corpus.tier("fixed")[:4]:
+        parsed = parse_file(corpus.file(document), document.title)
+        part = engine.split(document.doc_id, document.version + "-2", parsed)[0]
+        entries.append(precompute_part(engine, store, part).entry)
+    second = Release.build(engine.fingerprint, entries)
+    second = second.model_copy(update={"release_id": second.release_id + "-second"})
+    store.put(second.object_name, second.model_dump_json(indent=2).encode())
+    return second
+
+
+def test_reload_switches_atomically_while_requests_are_in_flight(server, tiny, second_release):
+    _, _, first = tiny
+    old_key, new_key = first.snapshots[0].key, second_release.snapshots[0].key
+    pieces_after_reload: list[str] = []
+    reloaded = threading.Event()
+    final: dict = {}
+
+    items = client.stream(server.grpc_url, QUESTION, old_key, max_new_tokens=400)
+    first_piece = next(items)  # the request is now in flight on the first release
+    assert isinstance(first_piece, str)
+
+    def reload_meanwhile():
+        result = client.reload_streaming(server.grpc_url, second_release.release_id)
+        assert result["RELEASE_ID"] == second_release.release_id
+        reloaded.set()
+
+    reloader = threading.Thread(target=reload_meanwhile)
+    reloader.start()
+    for item in items:
+        if isinstance(item, dict):
+            final = item
+        elif reloaded.is_set():
+            pieces_after_reload.append(item)
+    reloader.join()
+    assert reloaded.is_set() and pieces_after_reload, "the reload did not land while the answer was streaming"
+    assert final["RELEASE_ID"] == first.release_id and final["SNAPSHOT_KEY"] == old_key
+
+    assert "is not in release" in error_of(client.stream, server.grpc_url, QUESTION, old_key).message()
+    after = list(client.stream(server.grpc_url, QUESTION, new_key))[-1]
+    assert after["RELEASE_ID"] == second_release.release_id
+
+    status = json.loads(client.reload(server.http_url, second_release.release_id)["STATUS"])  # cag_llm too
+    assert status["previous"] == first.release_id and status["current"] == second_release.release_id
+    assert client.ask(server.http_url, QUESTION, new_key)["RELEASE_ID"] == second_release.release_id
+    assert error_of(client.ask, server.http_url, QUESTION, old_key).status() == "404"
+
+    assert client.reload(server.http_url)["RELEASE_ID"] == first.release_id  # back to the store's current
+    assert client.reload_streaming(server.grpc_url)["RELEASE_ID"] == first.release_id
+    assert client.ask(server.http_url, QUESTION, old_key)["RELEASE_ID"] == first.release_id
+
+
+def test_precompute_entry_writes_a_snapshot_that_verifies(server, tiny, corpus):
+    _, store, _ = tiny
+    document = next(d for d in corpus.tier("variable"))
+    path = corpus.file(document)
+    entries = client.precompute(server.http_url, document.doc_id, document.version, path.read_text(),
+                                path.suffix.lstrip("."), document.title)
+    assert entries and all(not entry["skipped"] for entry in entries)
+    for fields in entries:
+        entry = ReleaseEntry(**{key: value for key, value in fields.items() if key not in ("skipped", "seconds")})
+        snapshot = load_snapshot(store, entry)  # verifies the sha256 and the key in the header
+        assert snapshot.n_tokens == entry.n_tokens and snapshot.doc_id == document.doc_id
+    again = client.precompute(server.http_url, document.doc_id, document.version, path.read_text(),
+                              path.suffix.lstrip("."), document.title)
+    assert [e["sha256"] for e in again] == [e["sha256"] for e in entries] and all(e["skipped"] for e in again)
+    bad = error_of(client.precompute, server.http_url, document.doc_id, document.version, "text", "pdf")
+    assert bad.status() == "400" and "FORMAT 'pdf' is not supported" in bad.message()
+
+
+@pytest.mark.real_model
+def test_real_model_cache_path_is_token_identical_through_triton(real_model, corpus, tmp_path):
+    engine = Engine(real_model, max_context_tokens=900, max_new_tokens=MAX_NEW_TOKENS, question_budget_tokens=128)
+    store = LocalStore(tmp_path / "store")
+    document = next(d for d in corpus.tier("fixed") if d.doc_id == "skerry-admin-manual")
+    part = engine.split(document.doc_id, document.version, parse_file(corpus.file(document), document.title))[0]
+    entry = precompute_part(engine, store, part).entry
+    publish_release(store, Release.build(engine.fingerprint, [entry]))
+    environment = server_environment("smollm2-135m", store.root, max_resident_states=2, max_context_tokens=900)
+    with LocalTriton(tmp_path / "run", models=["cag_llm"], environment=environment) as triton:
+        reply = client.ask(triton.http_url, QUESTION, entry.key)
+    expected = engine.answer(QUESTION, snapshot=load_snapshot(store, entry), reuse_cache=False)
+    assert reply["TOKEN_IDS"] == expected.token_ids and reply["ANSWER"] == expected.text
+    assert reply["CACHE_HIT"] is True and reply["RESIDENT_HIT"] is True and reply["REUSED_TOKENS"] == entry.n_tokens
+    heat = [json.loads(store.get(info.name)) for info in store.list("heat/")]  # saved when the model unloaded
+    assert [h["counts"] for h in heat] == [{entry.key: 1}] and heat[0]["replica"].endswith("cag_llm_0_0")
