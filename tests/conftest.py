@@ -88,3 +88,12 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator["LocalSeawee
             session_env.delenv(variable, raising=False)
         session_env.setattr(boto3, "DEFAULT_SESSION", None)
         yield server
+
+
+@pytest.fixture(scope="session")
+def opensearch_url(tmp_path_factory) -> Iterator[str]:
+    """One real OpenSearch node for the session, started on first use; tests keep to their own indexes."""
+    from cagflow.services.opensearch import LocalOpenSearch
+
+    with LocalOpenSearch(tmp_path_factory.mktemp("opensearch")) as node:
+        yield node.url

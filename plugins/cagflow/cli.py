@@ -153,7 +153,8 @@ def cmd_service(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-DELEGATED = {"triton": ("cagflow.services.triton", "start, stop or check a local Triton server (up|down|status)")}
+DELEGATED = {"triton": ("cagflow.services.triton", "start, stop or check a local Triton server (up|down|status)"),
+             "airflow": ("cagflow.services.airflow", "run Airflow locally (up|down|status|trigger DAG)")}
 
 
 def _run_delegated(argv: list[str]) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -63,6 +63,15 @@ class RetrievalConfig(_Section):
     top_k: int = Field(4, ge=1, le=50)
     fallback_enabled: bool = True
     timeout_s: float = Field(5.0, gt=0)
+    chunk_tokens: int = Field(200, ge=16, le=512)
+    chunk_overlap_tokens: int = Field(40, ge=0)
+
+    @field_validator("chunk_overlap_tokens")
+    @classmethod
+    def _overlap_below_size(cls, value: int, info) -> int:
+        if value >= info.data.get("chunk_tokens", value + 1):
+            raise ValueError("must be smaller than retrieval.chunk_tokens")
+        return value
 
 
 class ModelConfig(_Section):
@@ -84,12 +93,40 @@ class CorpusConfig(_Section):
     manifest: str = "corpus/manifest.yaml"
 
 
+class PrecomputeConfig(_Section):
+    """The ``cag_fixed_precompute`` DAG: when it runs, where snapshots are computed, whom it tells."""
+
+    via: Literal["local", "triton"] = "local"
+    schedule: str = "0 2 * * *"
+    parallel_parts: int = Field(1, ge=1)  # parts computed at once per run; on one machine each uses every core
+    # Triton's HTTP address (host:port): cag_precompute when via=triton, and the cag_llm reload after a
+    # release is published (None: serving is not asked, it still follows releases/current.json).
+    triton_url: str | None = "127.0.0.1:8000"
+
+
+class IngestConfig(_Section):
+    """The ``cag_variable_ingest`` DAG."""
+
+    schedule: str = "@hourly"
+
+
+class MaintenanceConfig(_Section):
+    """The ``cag_snapshot_maintenance`` DAG: what garbage collection keeps."""
+
+    schedule: str = "@weekly"
+    keep_releases: int = Field(3, ge=1)
+    unused_days: float = Field(14.0, ge=0)
+
+
 class Config(_Section):
     service: ServiceConfig = ServiceConfig()
     cache: CacheConfig = CacheConfig()
     retrieval: RetrievalConfig = RetrievalConfig()
     model: ModelConfig = ModelConfig()
     corpus: CorpusConfig = CorpusConfig()
+    precompute: PrecomputeConfig = PrecomputeConfig()
+    ingest: IngestConfig = IngestConfig()
+    maintenance: MaintenanceConfig = MaintenanceConfig()
 
 
 def _set_path(tree: dict[str, Any], dotted: list[str], value: Any) -> None:
@@ -101,14 +138,24 @@ def _set_path(tree: dict[str, Any], dotted: list[str], value: Any) -> None:
     tree[dotted[-1]] = value
 
 
+def _env_value(raw: str) -> Any:
+    """Read a value as YAML would ("4" → 4, "false" → False); text that is not valid YAML, such as a
+    cron expression "*/15 * * * *", stays a string."""
+    if raw == "":
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
 def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
         dotted = name[len(ENV_PREFIX):].lower().split("__")
-        # YAML parsing turns "4" into 4 and "false" into False, like the file would.
-        _set_path(overrides, dotted, yaml.safe_load(raw) if raw != "" else "")
+        _set_path(overrides, dotted, _env_value(raw))
     return overrides
 
 

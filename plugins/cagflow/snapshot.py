@@ -18,8 +18,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 FORMAT_VERSION = "1"
-_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
-_VERSION = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$")
+DOC_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+VERSION_PATTERN = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$")
 _KEY = re.compile(r"^(?P<doc>[^/#]+)/(?P<ver>[^/#]+)/(?P<fp>[0-9a-f]{16})(?:#(?P<part>[1-9][0-9]*))?$")
 
 
@@ -28,13 +28,13 @@ class SnapshotFormatError(ValueError):
 
 
 def validate_doc_id(doc_id: str) -> str:
-    if not isinstance(doc_id, str) or not _ID.match(doc_id):
+    if not isinstance(doc_id, str) or not DOC_ID_PATTERN.match(doc_id):
         raise ValueError(f"doc_id {doc_id!r} must be 1-128 chars of a-z, 0-9, '.', '_', '-' starting with a letter/digit")
     return doc_id
 
 
 def validate_version(version: str) -> str:
-    if not isinstance(version, str) or not _VERSION.match(version) or ".." in version:
+    if not isinstance(version, str) or not VERSION_PATTERN.match(version) or ".." in version:
         raise ValueError(f"version {version!r} must be 1-64 chars of letters, digits, '.', '+', '_', '-'")
     return version
 

@@ -42,12 +42,6 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="session")
-def opensearch_url(tmp_path_factory):
-    with LocalOpenSearch(tmp_path_factory.mktemp("opensearch")) as node:
-        yield node.url
-
-
-@pytest.fixture(scope="session")
 def embedder():
     return get_embedder()
 

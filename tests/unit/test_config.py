@@ -66,3 +66,15 @@ def test_secrets_from_environment_or_file(tmp_path):
     assert read_secret("API_KEY", {}) is None
     with pytest.raises(ConfigError, match="API_KEY_FILE"):
         read_secret("API_KEY", {"API_KEY_FILE": str(tmp_path / "nope")})
+
+
+def test_environment_values_that_are_not_yaml_stay_strings():
+    config = load_config(environ={"CAGFLOW__INGEST__SCHEDULE": "*/15 * * * *",
+                                  "CAGFLOW__PRECOMPUTE__VIA": "triton"})
+    assert config.ingest.schedule == "*/15 * * * *"
+    assert config.precompute.via == "triton"
+
+
+def test_chunk_overlap_must_be_below_chunk_size():
+    with pytest.raises(ConfigError, match="retrieval.chunk_overlap_tokens"):
+        load_config(environ={"CAGFLOW__RETRIEVAL__CHUNK_TOKENS": "50", "CAGFLOW__RETRIEVAL__CHUNK_OVERLAP_TOKENS": "50"})

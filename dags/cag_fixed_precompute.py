@@ -1,0 +1,97 @@
+"""Fixed documents: parse, chunk, validate, embed and index them, then precompute their KV-cache snapshots
+(one mapped task per document part, in the worker or on Triton as ``precompute.via`` says), verify them,
+publish a release and tell serving.
+
+Runs at the configured low-peak cron (``precompute.schedule``); ``precompute.parallel_parts`` parts are
+computed at once. Trigger it with ``{"doc_ids": [...]}`` to process only some documents, or
+``{"force": true}`` to recompute snapshots even when stored ones verify (a stored version is never
+overwritten). A backfill run processes the manifest as it stands: snapshots are versioned by document
+version, not by date, so it only fills in what is missing. The steps live in ``cagflow.pipeline``.
+"""
+
+from datetime import datetime, timedelta, timezone
+
+from airflow.sdk import Asset, Param, dag, task
+
+from cagflow import pipeline
+from cagflow.config import load_config
+
+FIXED_RELEASE = Asset(name="cagflow_fixed_release", uri="cagflow://releases/current")
+settings = load_config().precompute
+
+
+@dag(
+    schedule=settings.schedule,
+    start_date=datetime(2026, 1, 1, tzinfo=timezone.utc),
+    catchup=False,
+    max_active_runs=1,
+    default_args={"retries": 2, "retry_delay": timedelta(minutes=1)},
+    params={
+        "doc_ids": Param([], type="array", items={"type": "string"},
+                         description="Fixed documents to process; empty means all of them."),
+        "force": Param(False, type="boolean", description="Recompute snapshots even when stored ones verify."),
+    },
+    tags=["cagflow", "fixed"],
+    doc_md=__doc__,
+)
+def cag_fixed_precompute():
+    @task(retries=0)
+    def load_manifest(params=None):
+        return pipeline.load_documents("fixed", params["doc_ids"])
+
+    @task(retries=0, show_return_value_in_logs=False)
+    def parse(documents):
+        return pipeline.parse_documents(documents)
+
+    @task(retries=0, show_return_value_in_logs=False)
+    def chunk(parsed):
+        return pipeline.chunk_documents(parsed)
+
+    @task(retries=0)
+    def validate_chunks(parsed, chunks):
+        return pipeline.check_chunks(parsed, chunks)
+
+    @task(show_return_value_in_logs=False)
+    def embed(chunks):
+        return pipeline.embed_chunks(chunks)
+
+    @task
+    def index(embedded, params=None):
+        return pipeline.index_chunks(embedded, "fixed", remove_unlisted=not params["doc_ids"])
+
+    @task(show_return_value_in_logs=False)
+    def plan_parts(params=None):
+        return pipeline.plan_snapshot_parts(params["doc_ids"])
+
+    @task(map_index_template="{{ task.op_kwargs['part']['label'] }}", max_active_tis_per_dagrun=settings.parallel_parts)
+    def precompute(part, params=None):
+        return pipeline.precompute_snapshot(part, params["force"])
+
+    @task(retries=0)
+    def validate_snapshots(results, parts):
+        return pipeline.check_snapshots(results, parts)
+
+    @task(outlets=[FIXED_RELEASE])
+    def publish_release(results, params=None, outlet_events=None):
+        release = pipeline.publish_fixed_release(results, params["doc_ids"])
+        outlet_events[FIXED_RELEASE].extra = release
+        return release
+
+    @task
+    def request_serving_reload(release):
+        return pipeline.request_serving_reload(release)
+
+    documents = load_manifest()
+    parsed = parse(documents)
+    chunks = chunk(parsed)
+    embedded = embed(chunks)
+    validate_chunks(parsed, chunks) >> embedded
+    parts = plan_parts()
+    index(embedded) >> parts
+    results = precompute.expand(part=parts)
+    release = publish_release(results)
+    validate_snapshots(results, parts) >> release
+    request_serving_reload(release)
+
+
+cag_fixed_precompute()
