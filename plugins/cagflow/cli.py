@@ -27,7 +27,7 @@ def precompute_and_publish(engine, store, manifest_path: str, doc_ids: list[str]
     from tqdm import tqdm
 
     from .catalog import plan_parts, precompute_all
-    from .manifest import CorpusManifest, Release, publish_release
+    from .manifest import CorpusManifest, publish_if_changed, release_for_run
 
     manifest = CorpusManifest.load(manifest_path)
     store.ping()
@@ -41,11 +41,12 @@ def precompute_and_publish(engine, store, manifest_path: str, doc_ids: list[str]
 
     results = precompute_all(engine, store, parts, force, report)
     bar.close()
-    release = Release.build(engine.fingerprint, [r.entry for r in results])
-    publish_release(store, release)
+    release = release_for_run(store, engine.fingerprint, [r.entry for r in results], manifest, doc_ids)
+    release, published = publish_if_changed(store, release)
     written = sum(not r.skipped for r in results)
-    print(f"release {release.release_id}: {len(results)} snapshots ({written} new, {len(results) - written} kept), "
-          f"{sum(r.entry.bytes for r in results) / 1e6:.1f} MB in {store.url}")
+    print(f"release {release.release_id}{'' if published else ' (unchanged)'}: {len(release.snapshots)} snapshots "
+          f"({written} new, {len(release.snapshots) - written} kept), "
+          f"{sum(e.bytes for e in release.snapshots) / 1e6:.1f} MB in {store.url}")
     return release, results
 
 

@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .snapshot import SnapshotKey, sha256_hex, validate_doc_id, validate_version
-from .stores import NotFound, SnapshotStore
+from .stores import AlreadyExists, NotFound, SnapshotStore
 
 RELEASES_PREFIX = "releases/"
 CURRENT_POINTER = "releases/current.json"
@@ -159,6 +159,42 @@ def publish_release(store: SnapshotStore, release: Release) -> str:
     store.put(release.object_name, data)
     _point_current_at(store, release, data)
     return release.release_id
+
+
+def release_for_run(store: SnapshotStore, model_fingerprint: str, entries: list[ReleaseEntry],
+                    manifest: CorpusManifest, doc_ids: list[str] | None = None) -> Release:
+    """The release a precompute run should publish: its own snapshots, plus, when only some documents
+    ran, the active release's snapshots of the other fixed documents (same model, same version)."""
+    entries = list(entries)
+    if doc_ids:
+        try:
+            active = load_release(store)
+        except NotFound:
+            active = None
+        if active is not None and active.model_fingerprint == model_fingerprint:
+            versions = {entry.doc_id: entry.version for entry in manifest.tier("fixed")}
+            entries += [entry for entry in active.snapshots
+                        if entry.doc_id not in doc_ids and versions.get(entry.doc_id) == entry.doc_version]
+    return Release.build(model_fingerprint, entries)
+
+
+def publish_if_changed(store: SnapshotStore, release: Release) -> tuple[Release, bool]:
+    """Publish ``release`` unless the active release already serves exactly these snapshots.
+
+    Returns the release now active and whether anything was published, so reruns write nothing.
+    """
+    try:
+        active = load_release(store)
+    except NotFound:
+        active = None
+    if active is not None and (active.model_fingerprint, active.snapshots) == (release.model_fingerprint,
+                                                                                 release.snapshots):
+        return active, False
+    try:
+        publish_release(store, release)
+    except AlreadyExists:  # the same content published within the same second: its id is this one's
+        activate_release(store, release.release_id)
+    return release, True
 
 
 def load_release(store: SnapshotStore, release_id: str | None = None) -> Release:

@@ -411,10 +411,9 @@ def publish_fixed_release(results: Sequence[dict], doc_ids: Sequence[str] | None
     """Publish a release of this run's snapshots and point ``current`` at it.
 
     When only some documents were processed, the other fixed documents keep their snapshots from the active
-    release (if it is of the same model and version). A release identical to the active one is not
-    published again, so a rerun writes nothing.
+    release; a release identical to the active one is not published again, so a rerun writes nothing.
     """
-    from .manifest import CorpusManifest, Release, ReleaseEntry, publish_release
+    from .manifest import CorpusManifest, ReleaseEntry, publish_if_changed, release_for_run
 
     config = _config(config)
     store = snapshot_store(config)
@@ -423,20 +422,15 @@ def publish_fixed_release(results: Sequence[dict], doc_ids: Sequence[str] | None
         raise PrecomputeUnavailable(f"snapshots of {len(fingerprints)} models cannot form one release")
     fingerprint = fingerprints.pop()
     entries = [ReleaseEntry(**result["entry"]) for result in results]
-    active = _active_release(store)
-    same_model = active is not None and active.model_fingerprint == fingerprint
-    if doc_ids and same_model:
-        versions = {entry.doc_id: entry.version for entry in CorpusManifest.load(config.corpus.manifest).tier("fixed")}
-        entries += [entry for entry in active.snapshots
-                    if entry.doc_id not in doc_ids and versions.get(entry.doc_id) == entry.doc_version]
-    release = Release.build(fingerprint, entries)
+    release = release_for_run(store, fingerprint, entries, CorpusManifest.load(config.corpus.manifest),
+                              list(doc_ids or []))
     summary = {"store": store.url, "snapshots": len(release.snapshots), "documents": len(release.doc_ids),
                "bytes": sum(entry.bytes for entry in release.snapshots)}
-    if same_model and active.snapshots == release.snapshots:
-        log.info("release %s already holds these %d snapshot(s); nothing published", active.release_id,
+    release, published = publish_if_changed(store, release)
+    if not published:
+        log.info("release %s already holds these %d snapshot(s); nothing published", release.release_id,
                  len(release.snapshots))
-        return {**summary, "release_id": active.release_id, "published": False}
-    publish_release(store, release)
+        return {**summary, "release_id": release.release_id, "published": False}
     log.info("published release %s: %d snapshot(s) of %d document(s), %d bytes, in %s", release.release_id,
              summary["snapshots"], summary["documents"], summary["bytes"], store.url)
     return {**summary, "release_id": release.release_id, "published": True}

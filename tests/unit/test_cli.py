@@ -61,7 +61,7 @@ def test_precompute_ask_and_rollback(capsys, tmp_path, monkeypatch, tiny_model_d
     assert code == 0 and "5 snapshots (5 new, 0 kept)" in out
     first_release = out.split()[1].rstrip(":")
     code, out, _ = run(capsys, "precompute", "--quiet")
-    assert code == 0 and "5 snapshots (0 new, 5 kept)" in out
+    assert code == 0 and f"release {first_release} (unchanged): 5 snapshots (0 new, 5 kept)" in out
 
     code, out, _ = run(capsys, "ask", "Which port does the web console use?", "--doc-id", "skerry-admin-manual",
                        "--json", "--max-new-tokens", "8")
@@ -75,6 +75,13 @@ def test_precompute_ask_and_rollback(capsys, tmp_path, monkeypatch, tiny_model_d
     code, _, err = run(capsys, "ask", "What?", "--doc-id", "no-such-doc")
     assert code == 2 and "not in the active release" in err
 
+    code, out, _ = run(capsys, "precompute", "--quiet", "--doc-id", "support-faq")  # the others are kept
+    assert code == 0 and f"release {first_release} (unchanged): 5 snapshots (0 new, 5 kept)" in out
+    subset = tmp_path / "subset.yaml"
+    subset.write_text(corpus_manifest_path.read_text().split("  - doc_id: operations-incident-policy")[0])
+    (tmp_path / "fixed").symlink_to(corpus_manifest_path.parent / "fixed")
+    code, out, _ = run(capsys, "precompute", "--quiet", "--manifest", str(subset))  # a different release
+    assert code == 0 and "1 snapshots (0 new, 1 kept)" in out and "unchanged" not in out
     code, out, _ = run(capsys, "releases")
     lines = out.splitlines()
     assert len(lines) == 2 and lines[-1].startswith("*")
