@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .config import Config, ConfigError, load_config
 
@@ -174,6 +175,17 @@ def _run_delegated(argv: list[str]) -> int | None:
     return importlib.import_module(DELEGATED[argv[0]][0]).main(rest)
 
 
+def cmd_bench(args: argparse.Namespace, config: Config) -> int:
+    from .benchmarks import print_retrieval_table, retrieval_recall, save_report
+
+    report = retrieval_recall(config, Path(config.corpus.manifest).parent / "qa.jsonl")
+    print_retrieval_table(report)
+    saved = save_report("retrieval", report)
+    if saved:
+        print(f"saved {saved}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace, config: Config) -> int:
     from .demo import run_demo
 
@@ -212,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = commands.add_parser("config", help="print the effective configuration")
     show.set_defaults(run=cmd_config)
+
+    bench = commands.add_parser("bench", help="benchmarks (reported, never asserted)")
+    bench.add_argument("which", choices=("retrieval",), help="retrieval: recall@k of BM25, vector and hybrid search")
+    bench.set_defaults(run=cmd_bench)
 
     for service in SERVICES:
         runner = commands.add_parser(service, help=f"start, stop or check a local {service} in the background")

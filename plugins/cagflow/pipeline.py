@@ -28,7 +28,7 @@ from .config import Config, ConfigError, ModelConfig, load_config
 
 if TYPE_CHECKING:
     from .engine import Engine
-    from .retrieval import ChunkIndex
+    from .retrieval import Chunk, ChunkIndex
     from .stores import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -254,6 +254,15 @@ def _indexed_doc_ids(index: ChunkIndex, tier: str) -> set[str]:
     return {bucket["key"] for bucket in response["aggregations"]["doc_ids"]["buckets"]}
 
 
+def index_records(embedded: Sequence[dict]) -> list[Chunk]:
+    """Embedded chunk records (as tasks pass them) → the index's chunk type."""
+    from .retrieval import Chunk
+
+    return [Chunk(chunk_id=c["chunk_id"], doc_id=c["doc_id"], text=c["text"], tier=c["tier"], version=c["version"],
+                  title=c["title"], section=c["section"], embedding=decode_vector(c["embedding"]).tolist())
+            for c in embedded]
+
+
 def index_chunks(embedded: Sequence[dict], tier: str, remove_unlisted: bool, config: Config | None = None) -> dict:
     """Upsert chunks by chunk id, then make each document's chunks exactly this set.
 
@@ -261,11 +270,7 @@ def index_chunks(embedded: Sequence[dict], tier: str, remove_unlisted: bool, con
     indexed: its chunks are replaced. With ``remove_unlisted``, documents of ``tier`` that are no longer
     in the manifest lose their chunks.
     """
-    from .retrieval import Chunk
-
-    chunks = [Chunk(chunk_id=c["chunk_id"], doc_id=c["doc_id"], text=c["text"], tier=c["tier"], version=c["version"],
-                    title=c["title"], section=c["section"], embedding=decode_vector(c["embedding"]).tolist())
-              for c in embedded]
+    chunks = index_records(embedded)
     per_doc = Counter(chunk.doc_id for chunk in chunks)
     with chunk_index(config) as index:
         index.ensure_index()
