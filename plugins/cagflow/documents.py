@@ -77,13 +77,15 @@ def parse_markdown(text: str) -> ParsedDocument:
     return ParsedDocument(title, _collect(pairs))
 
 
-def parse_text(text: str) -> ParsedDocument:
-    """Plain text: a line in capitals followed by a blank line starts a section."""
+def parse_text(text: str, blank_after_heading: bool = True) -> ParsedDocument:
+    """Plain text: a line in capitals followed by a blank line starts a section. Text extracted from a PDF
+    has no blank lines, so there a short line in capitals alone is enough."""
     lines = text.splitlines()
     pairs: list[tuple[str, list[str]]] = [("", [])]
     for index, line in enumerate(lines):
         following = lines[index + 1] if index + 1 < len(lines) else ""
-        if _TXT_HEADING.match(line.strip()) and not following.strip():
+        heading_like = _TXT_HEADING.match(line.strip()) and len(line.split()) <= 8
+        if heading_like and (not blank_after_heading or not following.strip()):
             pairs.append((line.strip().title(), []))
         else:
             pairs[-1][1].append(line)
@@ -159,8 +161,26 @@ def parse_html(text: str) -> ParsedDocument:
     return ParsedDocument(parser.title, _collect(pairs))
 
 
+def parse_pdf_bytes(data: bytes) -> ParsedDocument:
+    """Text PDFs: the extracted text is read like a plain-text document (capital-letter headings), with
+    the PDF's own title when it has one. Scanned PDFs have no text layer and fail as empty."""
+    from io import BytesIO
+
+    from pypdf import PdfReader
+    from pypdf.errors import PdfReadError
+
+    try:
+        reader = PdfReader(BytesIO(data))
+        text = "\n\n".join(page.extract_text() or "" for page in reader.pages)
+        title = (reader.metadata.title if reader.metadata else None) or ""
+    except (PdfReadError, ValueError, KeyError) as exc:
+        raise DocumentError(f"not a readable PDF: {exc}") from None
+    parsed = parse_text(text, blank_after_heading=False)
+    return ParsedDocument(title.strip() or parsed.title, parsed.sections)
+
+
 PARSERS = {".md": parse_markdown, ".markdown": parse_markdown, ".txt": parse_text,
-           ".html": parse_html, ".htm": parse_html}
+           ".html": parse_html, ".htm": parse_html, ".pdf": parse_pdf_bytes}
 
 
 def parse_file(path: str | Path, title: str | None = None) -> ParsedDocument:
@@ -170,12 +190,16 @@ def parse_file(path: str | Path, title: str | None = None) -> ParsedDocument:
     if parser is None:
         raise DocumentError(f"{path}: unsupported format {path.suffix!r} (supported: {', '.join(sorted(PARSERS))})")
     try:
-        raw = path.read_text(encoding="utf-8")
+        if path.suffix.lower() == ".pdf":
+            parsed = parse_pdf_bytes(path.read_bytes())
+        else:
+            parsed = parser(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise DocumentError(f"{path}: file not found") from None
     except UnicodeDecodeError as exc:
         raise DocumentError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    parsed = parser(raw)
+    except DocumentError as exc:
+        raise DocumentError(f"{path}: {exc}") from None
     if not any(section.text.strip() for section in parsed.sections):
         raise DocumentError(f"{path}: document has no text")
     return ParsedDocument(title or parsed.title or path.stem, parsed.sections)

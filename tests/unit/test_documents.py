@@ -50,3 +50,42 @@ def test_unusable_files_fail_clearly(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00bad")
     with pytest.raises(DocumentError, match="not UTF-8"):
         parse_file(binary)
+
+
+def _text_pdf(lines: list[str], title: str) -> bytes:
+    """A minimal one-page PDF with a text layer (Helvetica), written by hand so the test needs no PDF writer."""
+    content = "BT /F1 11 Tf 72 760 Td 14 TL " + " ".join(f"({line}) '" for line in lines) + " ET"
+    objects = [
+        "<< /Type /Catalog /Pages 2 0 R >>",
+        "<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 4 0 R >> >> "
+        "/Contents 5 0 R >>",
+        "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+        f"<< /Length {len(content)} >>\nstream\n{content}\nendstream",
+        f"<< /Title ({title}) >>",
+    ]
+    out, offsets = "%PDF-1.4\n", []
+    for number, body in enumerate(objects, start=1):
+        offsets.append(len(out))
+        out += f"{number} 0 obj\n{body}\nendobj\n"
+    xref = len(out)
+    out += f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n" + "".join(f"{o:010d} 00000 n \n" for o in offsets)
+    out += f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R /Info 6 0 R >>\nstartxref\n{xref}\n%%EOF\n"
+    return out.encode("latin-1")
+
+
+def test_pdf_text_is_parsed_into_sections(tmp_path):
+    pdf = tmp_path / "guide.pdf"
+    pdf.write_bytes(_text_pdf(["OVERVIEW", "", "Backups run nightly at 01:30.", "RETENTION", "",
+                               "Raw readings are kept for 30 days."], "Backup Guide"))
+    document = parse_file(pdf)
+    assert document.title == "Backup Guide"
+    assert [s.heading for s in document.sections] == ["Overview", "Retention"]
+    assert "30 days" in document.sections[1].text
+
+
+def test_broken_pdf_fails_clearly(tmp_path):
+    pdf = tmp_path / "broken.pdf"
+    pdf.write_bytes(b"%PDF-1.4 this is not really a pdf")
+    with pytest.raises(DocumentError, match="broken.pdf"):
+        parse_file(pdf)
