@@ -5,11 +5,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.cagflow-deps
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-unit clean-store help
+.PHONY: install run stop test test-unit help
 
 help:
-	@echo "make run   - install, precompute the sample corpus, answer sample questions via cache and full prompt"
-	@echo "make test  - install and run the whole test suite (starts its own SeaweedFS/OpenSearch on 127.0.0.1)"
+	@echo "make run   - install, start OpenSearch and Airflow, run the precompute DAG on the sample corpus,"
+	@echo "             then answer sample questions via cache and via full prompt"
+	@echo "make stop  - stop the services make run started"
+	@echo "make test  - install and run the whole test suite (it starts its own servers on 127.0.0.1)"
 
 # Dependencies are reinstalled only when a requirements file changes; the project itself is
 # (re)linked every time so a venv kept outside the checkout always points at this checkout.
@@ -23,8 +25,20 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 install: $(STAMP)
 	@$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 
+# The DAG's tasks run from this checkout, so the manifest path is made absolute for them.
+run: export CAGFLOW__CORPUS__MANIFEST = $(CURDIR)/corpus/manifest.yaml
 run: install
+	$(BIN)/cagflow opensearch up
+	$(BIN)/cagflow airflow up
+	$(BIN)/cagflow airflow trigger cag_fixed_precompute
 	$(BIN)/cagflow demo
+	@$(BIN)/cagflow airflow status
+	@$(BIN)/cagflow opensearch status
+	@echo "Services keep running (Airflow UI above); stop them with: make stop"
+
+stop:
+	-$(BIN)/cagflow airflow down
+	-$(BIN)/cagflow opensearch down
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -12,6 +12,11 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 
+# Part of every model fingerprint: a parser change renders documents differently, so snapshots of the
+# old rendering must not be reused under the same key.
+PARSER_VERSION = "2"
+
+
 class DocumentError(ValueError):
     """A document that cannot be parsed or is unusable (empty, unknown format)."""
 

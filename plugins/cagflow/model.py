@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import CACHE_HOME
+from .documents import PARSER_VERSION
 from .prompt import TEMPLATE_VERSION
 
 
@@ -146,9 +147,9 @@ def _digest_file(path: Path, digest: "hashlib._Hash") -> None:
 
 
 def model_fingerprint(model_dir: Path) -> str:
-    """sha256 over config, weights, tokenizer and prompt template version."""
+    """sha256 over config, weights, tokenizer, prompt template and document parser versions."""
     digest = hashlib.sha256()
-    digest.update(f"template:{TEMPLATE_VERSION}\n".encode())
+    digest.update(f"template:{TEMPLATE_VERSION}\nparser:{PARSER_VERSION}\n".encode())
     config = json.loads((model_dir / "config.json").read_text())
     config.pop("transformers_version", None)
     digest.update(json.dumps(config, sort_keys=True).encode())
