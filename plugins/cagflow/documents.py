@@ -185,15 +185,16 @@ def parse_pdf_bytes(data: bytes) -> ParsedDocument:
 
 
 PARSERS = {".md": parse_markdown, ".markdown": parse_markdown, ".txt": parse_text,
-           ".html": parse_html, ".htm": parse_html, ".pdf": parse_pdf_bytes}
+           ".html": parse_html, ".htm": parse_html}  # text formats; PDF is binary: see parse_file
 
 
 def parse_file(path: str | Path, title: str | None = None) -> ParsedDocument:
     """Parse a corpus file by extension; the manifest title, when given, wins over the file's."""
     path = Path(path)
     parser = PARSERS.get(path.suffix.lower())
-    if parser is None:
-        raise DocumentError(f"{path}: unsupported format {path.suffix!r} (supported: {', '.join(sorted(PARSERS))})")
+    if parser is None and path.suffix.lower() != ".pdf":
+        supported = ", ".join(sorted([*PARSERS, ".pdf"]))
+        raise DocumentError(f"{path}: unsupported format {path.suffix!r} (supported: {supported})")
     try:
         if path.suffix.lower() == ".pdf":
             parsed = parse_pdf_bytes(path.read_bytes())

@@ -15,13 +15,10 @@ naming the running group so a later command can find it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import secrets
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,8 +31,7 @@ from typing import Any
 import psutil
 
 from ..config import CACHE_HOME
-
-HOST = "127.0.0.1"
+from .process import HOST, ServerContext, ServerProcess, free_port, log_tail, record_group, running_record
 ADMIN_USER = "admin"
 COMPONENTS = {
     "api-server": ["api-server", "--host", HOST],
@@ -53,28 +49,11 @@ class AirflowServiceError(RuntimeError):
     """Airflow did not start, stop or answer as expected."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((HOST, 0))
-        return probe.getsockname()[1]
-
-
 def default_home() -> Path:
     return CACHE_HOME / "airflow"
 
 
-def _group_members(pgid: int) -> list[psutil.Process]:
-    members = []
-    for process in psutil.process_iter(["status"]):
-        try:
-            if os.getpgid(process.pid) == pgid and process.info["status"] != psutil.STATUS_ZOMBIE:
-                members.append(process)
-        except (ProcessLookupError, psutil.Error):
-            continue  # exited while we looked
-    return members
-
-
-class LocalAirflow:
+class LocalAirflow(ServerContext):
     """One local Airflow deployment rooted at ``home``.
 
     ``env`` is added to the components' environment (e.g. ``CAGFLOW__*`` settings or ``AIRFLOW_CONN_*``
@@ -91,17 +70,15 @@ class LocalAirflow:
         self.schedules = schedules
         self.extra_env = dict(env or {})
         self.cwd = Path(cwd).resolve() if cwd else Path.cwd()
-        self.pgid: int | None = None
-        self._leader: subprocess.Popen[bytes] | None = None
+        self._group = ServerProcess("Airflow", self.log_dir / "launcher.log", AirflowServiceError,
+                                    failure_report=lambda: f"see {self.log_dir}\n{self._log_tails()}")
         self._token: str | None = None
 
     # ---- locations -----------------------------------------------------------------------------
 
     @property
     def url(self) -> str:
-        if self.port is None:
-            raise AirflowServiceError("Airflow has no port until it is started")
-        return f"http://{HOST}:{self.port}"
+        return self._group.http_url(self.port)
 
     @property
     def state_file(self) -> Path:
@@ -157,65 +134,47 @@ class LocalAirflow:
         running = self.running_state()
         if running is not None:
             raise AirflowServiceError(f"Airflow already runs from {self.home} at {running['url']} "
-                                      f"(process group {running['pgid']}); stop it first")
+                                      f"(process group {running['pid']}); stop it first")
         self.port = self.port or free_port()
         self._prepare()
-        # One shell in a new session starts the components as its background jobs: without job control
-        # they share its process group, which is therefore the whole deployment.
+        # One shell starts the components as its background jobs: without job control they share its
+        # process group, which is therefore the whole deployment.
         lines = [f"{shlex.join(self._airflow(*args))} >{shlex.quote(str(self.log_dir / name))}.log 2>&1 &"
                  for name, args in COMPONENTS.items()]
-        self._leader = subprocess.Popen(["/bin/sh", "-c", "\n".join([*lines, "wait"])], env=self.environment(),
-                                        cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, start_new_session=True)
-        self.pgid = self._leader.pid
-        self.state_file.write_text(json.dumps({"pgid": self.pgid, "port": self.port, "url": self.url,
-                                               "dags_folder": str(self.dags_folder), "started_at": time.time()}))
-        try:
-            self.wait_ready(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        self._group.launch(["/bin/sh", "-c", "\n".join([*lines, "wait"])], cwd=self.cwd, env=self.environment())
+        record_group(self.state_file, self.pgid, port=self.port, url=self.url, dags_folder=str(self.dags_folder),
+                     started_at=time.time())
+        self._group.wait_ready(self._all_healthy, timeout_s, interval_s=1.0,
+                               retry_on=(OSError, ValueError, AirflowServiceError))
         return self.url
+
+    @property
+    def pgid(self) -> int | None:
+        return self._group.pid
 
     def processes(self) -> list[psutil.Process]:
         """The live processes of the deployment's group (zombies waiting to be reaped do not count)."""
-        if self.pgid is None:
-            return []
-        if self._leader is not None:
-            self._leader.poll()  # reap our own child, the shell, once it has exited
-        return _group_members(self.pgid)
+        return self._group.members()
 
-    def _group_alive(self) -> bool:
-        return bool(self.processes())
+    def detach(self) -> None:
+        """Leave Airflow running after this process exits, for ``down`` to stop."""
+        self._group.detach()
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after ``timeout_s``; forget the state."""
-        if self.pgid is None:
-            state = self.running_state()
-            self.pgid = state["pgid"] if state else None
-        for signum, patience in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
-            if not self._group_alive():
-                break
-            with contextlib.suppress(ProcessLookupError):  # it may have exited just now
-                os.killpg(self.pgid, signum)
-            deadline = time.monotonic() + patience
-            while self._group_alive() and time.monotonic() < deadline:
-                time.sleep(0.2)
-        if self._group_alive():
-            raise AirflowServiceError(f"processes of group {self.pgid} survived SIGKILL: "
-                                      f"{[p.pid for p in self.processes()]}")
+        if not self._group.launched:
+            running = self.running_state()
+            if running is not None:
+                self._group.attach(running["pid"])
+        survivors = self._group.stop(timeout_s)
+        if survivors:
+            raise AirflowServiceError(f"processes of the Airflow group survived SIGKILL: {survivors}")
         self.state_file.unlink(missing_ok=True)
-        self.pgid = None
-        self._leader = None
         self._token = None
 
     def running_state(self) -> dict[str, Any] | None:
         """The recorded deployment if its process group is still alive."""
-        try:
-            state = json.loads(self.state_file.read_text())
-        except (FileNotFoundError, ValueError):
-            return None
-        return state if _group_members(state["pgid"]) else None
+        return running_record(self.state_file)
 
     @classmethod
     def attach(cls, home: str | os.PathLike[str]) -> "LocalAirflow":
@@ -224,15 +183,9 @@ class LocalAirflow:
         state = airflow.running_state()
         if state is None:
             raise AirflowServiceError(f"no Airflow is running from {airflow.home} (start it with `up`)")
-        airflow.port, airflow.pgid, airflow.dags_folder = state["port"], state["pgid"], Path(state["dags_folder"])
+        airflow.port, airflow.dags_folder = state["port"], Path(state["dags_folder"])
+        airflow._group.attach(state["pid"])
         return airflow
-
-    def __enter__(self) -> "LocalAirflow":
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
     # ---- REST -----------------------------------------------------------------------------------
 
@@ -270,31 +223,16 @@ class LocalAirflow:
         report = self._http("GET", "/api/v2/monitor/health", timeout_s=5.0)
         return {name: (report.get(name) or {}).get("status", "unknown") for name in HEALTH_COMPONENTS}
 
-    def wait_ready(self, timeout_s: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        last: Any = "no answer"
-        while time.monotonic() < deadline:
-            if not self._group_alive():
-                raise AirflowServiceError(f"Airflow exited while starting; see {self.log_dir}\n{self._log_tails()}")
-            try:
-                last = self.health()
-                if all(status == "healthy" for status in last.values()):
-                    return
-            except (urllib.error.URLError, OSError, ValueError, AirflowServiceError) as exc:
-                last = exc
-            time.sleep(1.0)
-        raise AirflowServiceError(f"Airflow not healthy after {timeout_s:.0f} s ({last}); see {self.log_dir}\n"
-                                  f"{self._log_tails()}")
+    def _all_healthy(self) -> bool:
+        """True once every component reports healthy; until then it raises, naming those that do not, so
+        that a start that times out says which ones."""
+        waiting = {name: status for name, status in self.health().items() if status != "healthy"}
+        if waiting:
+            raise AirflowServiceError(f"not healthy yet: {waiting}")
+        return True
 
     def _log_tails(self, lines: int = 8) -> str:
-        tails = []
-        for name in COMPONENTS:
-            try:
-                text = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:]
-            except OSError:
-                text = ["(no log)"]
-            tails.append(f"--- {name}\n" + "\n".join(text))
-        return "\n".join(tails)
+        return "\n".join(f"--- {name}\n{log_tail(self.log_dir / f'{name}.log', lines)}" for name in COMPONENTS)
 
     def wait_for_dag(self, dag_id: str, timeout_s: float = 120.0) -> dict:
         """The DAG's details once the dag-processor has parsed it; import errors fail fast."""
@@ -365,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             airflow = LocalAirflow(args.home, args.dags_folder, args.port, args.parallelism, args.schedules)
             started = time.monotonic()
             url = airflow.start()
+            airflow.detach()
             user, password = airflow.credentials()
             print(f"Airflow {url} ready in {time.monotonic() - started:.0f} s (home {airflow.home}, "
                   f"process group {airflow.pgid})\nlogin: {user} / {password}\nstop with: "

@@ -1,25 +1,25 @@
 """Run a local service in the background for `cagflow <service> up|down|status`.
 
-``up`` launches ``python -m cagflow.services.<name> run ... --ready-file F`` in a new session (so it
-outlives the command and can be stopped as a group), waits until the service writes its URL to ``F``,
-and records pid, URL and log path under ``~/.cache/cagflow/run/``. ``down`` stops the whole group.
+``up`` launches ``python -m cagflow.services.<name> run ... --ready-file F`` as a process group of its own
+(so it outlives the command and can be stopped as a whole), waits until the service writes its URL to
+``F``, and records pid, URL and log path under ``~/.cache/cagflow/run/``. ``down`` stops the whole group.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ..config import CACHE_HOME
+from .process import ServerProcess, record_group, running_record, stop_group
 
 RUN_DIR = CACHE_HOME / "run"
+# Longer than a service's own stop, so that it finishes stopping what it started before it is killed.
+_STOP_TIMEOUT_S = 60.0
 
 
 class ServiceError(RuntimeError):
@@ -39,34 +39,10 @@ def _state_file(name: str) -> Path:
     return RUN_DIR / f"{name}.json"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def status(name: str) -> ServiceState | None:
-    """The running service's state, or None (a stale record of a dead process is removed)."""
-    path = _state_file(name)
-    try:
-        state = ServiceState(**json.loads(path.read_text()))
-    except (FileNotFoundError, ValueError, TypeError):
-        return None
-    if _alive(state.pid):
-        return state
-    path.unlink(missing_ok=True)
-    return None
-
-
-def _tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+    """The running service's state, or None."""
+    record = running_record(_state_file(name))
+    return ServiceState(**record) if record else None
 
 
 def up(name: str, run_args: list[str], ready_timeout_s: float = 180.0) -> ServiceState:
@@ -78,40 +54,14 @@ def up(name: str, run_args: list[str], ready_timeout_s: float = 180.0) -> Servic
     log = RUN_DIR / f"{name}.log"
     ready = RUN_DIR / f"{name}.ready"
     ready.unlink(missing_ok=True)
-    command = [sys.executable, "-m", f"cagflow.services.{name}", "run", *run_args, "--ready-file", str(ready)]
-    with open(log, "ab") as output:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-    deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:
-        if ready.exists() and ready.read_text().strip():
-            state = ServiceState(name, process.pid, ready.read_text().strip(), str(log), time.time())
-            _state_file(name).write_text(json.dumps(asdict(state)))
-            return state
-        if process.poll() is not None:
-            raise ServiceError(f"{name} exited with status {process.returncode} before it was ready; "
-                               f"last lines of {log}:\n{_tail(log)}")
-        time.sleep(0.3)
-    _stop_group(process.pid)
-    raise ServiceError(f"{name} was not ready within {ready_timeout_s:.0f} s; last lines of {log}:\n{_tail(log)}")
-
-
-def _stop_group(pid: int, timeout_s: float = 30.0) -> None:
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    service = ServerProcess(name, log, ServiceError)
+    service.launch([sys.executable, "-m", f"cagflow.services.{name}", "run", *run_args, "--ready-file", str(ready)])
+    service.wait_ready(lambda: bool(ready.read_text().strip()), ready_timeout_s, interval_s=0.3,
+                       retry_on=(FileNotFoundError,))
+    service.detach()
+    record = record_group(_state_file(name), service.pid, name=name, url=ready.read_text().strip(), log=str(log),
+                          started_at=time.time())
+    return ServiceState(**record)
 
 
 def down(name: str) -> bool:
@@ -119,14 +69,15 @@ def down(name: str) -> bool:
     state = status(name)
     if state is None:
         return False
-    _stop_group(state.pid)
+    stop_group(state.pid, _STOP_TIMEOUT_S)
     _state_file(name).unlink(missing_ok=True)
     return True
 
 
-def serve_until_stopped(url: str, ready_file: Path | None, is_running: Callable[[], bool]) -> None:
-    """The tail of every ``run`` command: announce the URL, then wait for SIGTERM/SIGINT or the service's end."""
-    print(url, flush=True)
+def serve_until_stopped(announcement: str, ready_file: Path | None, is_running: Callable[[], bool]) -> None:
+    """The tail of every ``run`` command: print ``announcement`` (and write it to ``ready_file``), then wait
+    for SIGTERM/SIGINT or the service's end."""
+    print(announcement, flush=True)
     stop_requested = False
 
     def request_stop(*_: object) -> None:
@@ -137,7 +88,7 @@ def serve_until_stopped(url: str, ready_file: Path | None, is_running: Callable[
     signal.signal(signal.SIGINT, request_stop)
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
-        tmp.write_text(url)
+        tmp.write_text(announcement)
         tmp.replace(ready_file)
     while not stop_requested and is_running():
         time.sleep(0.5)

@@ -14,26 +14,23 @@ overrides it); each node keeps its config, data and logs in a directory its call
 from __future__ import annotations
 
 import argparse
-import atexit
 import fcntl
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterator
+from typing import Iterator
 
 from .background import serve_until_stopped
+from .process import ServerContext, ServerProcess, free_port
 
 OPENSEARCH_VERSION = "2.19.1"
 PLUGIN_VERSION = f"{OPENSEARCH_VERSION}.0"
@@ -324,12 +321,6 @@ def ensure_distribution() -> Path:
 # --- Run a node ------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _yaml_string(value: str | Path) -> str:
     return json.dumps(str(value))  # a JSON string is a valid YAML scalar, whatever the path holds
 
@@ -343,7 +334,7 @@ def _launch_prefix() -> list[str]:
     return [unshare, "--user", f"--map-user={_NAMESPACE_UID}", f"--map-group={_NAMESPACE_UID}"]
 
 
-class LocalOpenSearch:
+class LocalOpenSearch(ServerContext):
     """One OpenSearch node bound to 127.0.0.1, owned by this process.
 
     ``data_dir`` holds the node's config, indices and logs and survives restarts. The JVM runs in its
@@ -354,21 +345,18 @@ class LocalOpenSearch:
         self.data_dir = Path(data_dir).resolve()
         self.port = port
         self.heap = heap
-        self._process: subprocess.Popen[bytes] | None = None
-        self._console: IO[bytes] | None = None
+        self._server = ServerProcess("OpenSearch", self.console_log, OpenSearchSetupError)
 
     @property
     def url(self) -> str:
-        if self.port is None:
-            raise OpenSearchSetupError("the node has no port until start() is called")
-        return f"http://127.0.0.1:{self.port}"
+        return self._server.http_url(self.port)
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid if self._process else None
+        return self._server.pid
 
     def is_running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
+        return self._server.is_running()
 
     @property
     def console_log(self) -> Path:
@@ -408,7 +396,7 @@ class LocalOpenSearch:
 
     def start(self, timeout_s: float = 120.0) -> str:
         """Start the node and return its URL once cluster health is yellow or green."""
-        if self._process is not None:
+        if self._server.launched:
             return self.url
         home = ensure_distribution()
         java_home = find_java_home()
@@ -423,74 +411,18 @@ class LocalOpenSearch:
             "OPENSEARCH_TMPDIR": str(self.data_dir / "tmp"),
         }
         env.pop("OPENSEARCH_JAVA_OPTS", None)
-        self._console = open(self.console_log, "ab")
-        self._process = subprocess.Popen(
-            [*_launch_prefix(), str(home / "bin" / "opensearch")],
-            cwd=self.data_dir, env=env, stdin=subprocess.DEVNULL, stdout=self._console,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        atexit.register(self.stop)
-        try:
-            self._wait_until_healthy(time.monotonic() + timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        self._server.launch([*_launch_prefix(), str(home / "bin" / "opensearch")], cwd=self.data_dir, env=env)
+        self._server.wait_ready(self._is_healthy, timeout_s, interval_s=0.25, retry_on=(OSError, ValueError))
         return self.url
 
-    def _console_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.console_log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no console log)"
-
-    def _wait_until_healthy(self, deadline: float) -> None:
+    def _is_healthy(self) -> bool:
         health_url = f"{self.url}/_cluster/health?wait_for_status=yellow&timeout=1s"
-        while time.monotonic() < deadline:
-            exit_code = self._process.poll()
-            if exit_code is not None:
-                raise OpenSearchSetupError(
-                    f"OpenSearch exited with code {exit_code} while starting:\n{self._console_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(health_url, timeout=3) as response:
-                    if json.load(response).get("status") in ("green", "yellow"):
-                        return
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
-            time.sleep(0.25)
-        raise OpenSearchSetupError(f"OpenSearch was not healthy at {self.url} in time:\n{self._console_tail()}")
+        with urllib.request.urlopen(health_url, timeout=3) as response:
+            return json.load(response).get("status") in ("green", "yellow")
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the node's process group; SIGKILL it if it has not exited within ``timeout_s``."""
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            self._signal_group(process, signal.SIGTERM)
-            try:
-                process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self._signal_group(process, signal.SIGKILL)
-                process.wait()
-        self._process = None
-        atexit.unregister(self.stop)
-        if self._console is not None:
-            self._console.close()
-            self._console = None
-
-    @staticmethod
-    def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
-        try:
-            os.killpg(process.pid, signum)
-        except ProcessLookupError:
-            pass
-
-    def __enter__(self) -> LocalOpenSearch:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+        self._server.stop(timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

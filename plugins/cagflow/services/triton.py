@@ -13,29 +13,25 @@ gets a small environment of its own: NumPy 1.26 first on ``sys.path``, then this
 from __future__ import annotations
 
 import argparse
-import atexit
 import hashlib
 import importlib.util
-import json
 import os
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import sysconfig
 import time
 import urllib.error
 import urllib.request
-from contextlib import ExitStack
 from importlib import metadata
 from pathlib import Path
-from typing import IO, Sequence
+from typing import Sequence
 
 from ..config import CACHE_HOME
+from .process import (HOST, ServerContext, ServerProcess, free_ports, group_members, read_record, record_group,
+                      running_record, stop_group)
 
-HOST = "127.0.0.1"
 STUB_NUMPY = "numpy==1.26.4"
 DEFAULT_RUN_DIR = CACHE_HOME / "triton"
 STUB_ENV_DIR = CACHE_HOME / "triton-stub"
@@ -132,17 +128,7 @@ def is_ready(http_url: str) -> bool:
         return False
 
 
-def _free_ports(count: int) -> list[int]:
-    with ExitStack() as held:
-        ports = []
-        for _ in range(count):
-            probe = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            probe.bind((HOST, 0))
-            ports.append(probe.getsockname()[1])
-        return ports
-
-
-class LocalTriton:
+class LocalTriton(ServerContext):
     """One ``tritonserver`` on 127.0.0.1 owned by this process (or by ``up``/``down``).
 
     ``models`` restricts which models of the repository load (all of them by default). ``environment``
@@ -160,12 +146,16 @@ class LocalTriton:
         self.environment = dict(environment or {})
         self.exit_timeout_s = exit_timeout_s
         self.ports: dict[str, int] = {}
-        self.pid: int | None = None
         # A distinct shared-memory prefix per server, so several servers can run on one machine and
         # regions left by a crashed stub can be removed.
         self.shm_prefix = f"cagflow-{os.getpid()}-{secrets.token_hex(4)}-"
-        self._process: subprocess.Popen[bytes] | None = None
-        self._console: IO[bytes] | None = None
+        # SIGTERM goes to the server alone: it unloads the models, so their ``finalize`` runs in the stubs.
+        self._server = ServerProcess("tritonserver", self.console_log, TritonError, leader_first=True,
+                                     on_stopped=lambda: _remove_shared_memory(self.shm_prefix))
+
+    @property
+    def pid(self) -> int | None:
+        return self._server.pid
 
     @property
     def console_log(self) -> Path:
@@ -213,94 +203,35 @@ class LocalTriton:
 
     def start(self, timeout_s: float = 300.0) -> "LocalTriton":
         """Start the server and return once every model is loaded; on failure, raise with the log's tail."""
-        if self._process is not None:
+        if self._server.launched:
             return self
         if not self.model_repository.is_dir():
             raise TritonError(f"model repository {self.model_repository} not found")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         backend_dir = build_backend_dir(self.run_dir / "backends")
         environment = self._server_environment()
-        self.ports = dict(zip(("http", "grpc", "metrics"), _free_ports(3)))
-        self._console = open(self.console_log, "ab")
-        self._process = subprocess.Popen(self._command(backend_dir), cwd=self.run_dir, env=environment,
-                                         stdin=subprocess.DEVNULL, stdout=self._console, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        self.pid = self._process.pid
-        atexit.register(self.stop)
-        try:
-            self._wait_until_ready(time.monotonic() + timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        self.ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
+        self._server.launch(self._command(backend_dir), cwd=self.run_dir, env=environment)
+        self._server.wait_ready(self.is_ready, timeout_s, interval_s=0.2)
         return self
-
-    def _wait_until_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            code = self._process.poll()
-            if code is not None:
-                raise TritonError(f"tritonserver exited with code {code} while starting:\n{self.log_tail()}")
-            if self.is_ready():
-                return
-            time.sleep(0.2)
-        raise TritonError(f"tritonserver did not become ready within the timeout:\n{self.log_tail()}")
 
     def is_ready(self) -> bool:
         return is_ready(self.http_url)
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.console_log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no server log)"
 
     def metrics_text(self) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=5) as reply:
             return reply.read().decode()
 
     def detach(self) -> dict:
-        """Leave the server running after this process exits; returns what ``down`` needs to stop it."""
-        atexit.unregister(self.stop)
-        state = {"pid": self.pid, "ports": self.ports, "log": str(self.console_log),
-                 "model_repository": str(self.model_repository), "shm_prefix": self.shm_prefix}
-        (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
-        if self._console is not None:
-            self._console.close()
-            self._console = None
-        return state
+        """Leave the server running after this process exits; returns the record ``down`` stops it by."""
+        self._server.detach()
+        return record_group(self.run_dir / STATE_FILE, self.pid, ports=self.ports, log=str(self.console_log),
+                            model_repository=str(self.model_repository), shm_prefix=self.shm_prefix)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the server (it unloads the models, so their ``finalize`` runs); SIGKILL its process group
         (stubs included) if anything is left after ``timeout_s``."""
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                _signal_group(process.pid, signal.SIGKILL)
-                process.wait()
-        _signal_group(process.pid, signal.SIGKILL)  # stubs that outlived the server
-        _remove_shared_memory(self.shm_prefix)
-        self._process = None
-        atexit.unregister(self.stop)
-        if self._console is not None:
-            self._console.close()
-            self._console = None
-
-    def __enter__(self) -> "LocalTriton":
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-
-def _signal_group(pid: int, signum: int) -> None:
-    try:
-        os.killpg(pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
+        self._server.stop(timeout_s)
 
 
 def _remove_shared_memory(prefix: str) -> None:
@@ -308,24 +239,9 @@ def _remove_shared_memory(prefix: str) -> None:
         region.unlink(missing_ok=True)
 
 
-def _is_our_server(pid: int) -> bool:
-    """The recorded pid still runs tritonserver (not a recycled pid)."""
-    try:
-        return b"tritonserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
-def _read_state(run_dir: Path) -> dict | None:
-    try:
-        return json.loads((run_dir / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def cmd_up(args: argparse.Namespace) -> int:
-    state = _read_state(args.run_dir)
-    if state and _is_our_server(state["pid"]):
+    state = running_record(args.run_dir / STATE_FILE)
+    if state:
         print(f"already running (pid {state['pid']}): http {HOST}:{state['ports']['http']}", file=sys.stderr)
         return 1
     environment = {"CAGFLOW_CONFIG": str(Path(args.config).resolve())} if args.config else {}
@@ -340,29 +256,26 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    state = _read_state(args.run_dir)
+    state_file = args.run_dir / STATE_FILE
+    state = read_record(state_file)
     if not state:
         print(f"no server recorded in {args.run_dir}", file=sys.stderr)
         return 0
     pid = int(state["pid"])
-    if _is_our_server(pid):
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + args.timeout
-        while _is_our_server(pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        _signal_group(pid, signal.SIGKILL)
-        if state.get("shm_prefix"):
-            _remove_shared_memory(state["shm_prefix"])
+    if group_members(pid):
+        stop_group(pid, args.timeout, leader_first=True)
         print(f"stopped tritonserver (pid {pid})")
     else:
         print(f"tritonserver (pid {pid}) was not running")
-    (args.run_dir / STATE_FILE).unlink(missing_ok=True)
+    if state.get("shm_prefix"):
+        _remove_shared_memory(state["shm_prefix"])
+    state_file.unlink(missing_ok=True)
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    state = _read_state(args.run_dir)
-    if not state or not _is_our_server(int(state["pid"])):
+    state = running_record(args.run_dir / STATE_FILE)
+    if not state:
         print("not running")
         return 3
     ports = state["ports"]
