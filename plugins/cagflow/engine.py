@@ -4,7 +4,9 @@ Three ways to answer, all greedy and deterministic so they can be compared token
 - cache path: the snapshot's KV tensors stand in for the document, only the question is prefilled;
 - retrieval path: passages go into the prompt and everything is prefilled;
 - full prompt: the same prompt as the cache path, prefilled from scratch (the baseline).
-A snapshot is never written to: each request builds its own cache on top of the shared tensors.
+A snapshot is never written to or copied: for Llama-family models each request keeps only its own
+question and answer tokens' keys and values and attends to the snapshot's tensors in place (see
+``shared_prefix``); other architectures get a transformers cache built over the snapshot.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from .documents import ParsedDocument, Section
 from .config import ModelConfig
 from .model import LoadedModel, load_model
 from .prompt import Passage, PromptBuilder, PromptError, document_system, passages_system
+from .shared_prefix import SharedPrefixDecoder
+from .shared_prefix import supports as supports_shared_prefix
 from .snapshot import Snapshot, validate_doc_id, validate_version
 
 QUESTION_ONLY_SYSTEM = "You are a support assistant. Answer the user's question in one or two short sentences."
@@ -85,6 +89,7 @@ class Engine:
         self.max_new_tokens = max_new_tokens
         self.question_budget_tokens = question_budget_tokens
         self.eos_ids = loaded.eos_token_ids
+        self.prefix_decoder = SharedPrefixDecoder(self.model) if supports_shared_prefix(self.model) else None
 
     @classmethod
     def from_config(cls, model: ModelConfig) -> "Engine":
@@ -196,64 +201,102 @@ class Engine:
     # ---- answering -------------------------------------------------------------------------------
 
     def _plan(self, question: str, snapshot: Snapshot | None, context: Sequence[Passage] | None,
-              reuse_cache: bool) -> tuple[str, list[int], int, DynamicCache | None]:
-        """Decide the route; return (route, all prompt ids, reused token count, starting cache)."""
+              reuse_cache: bool) -> tuple[str, list[int], int]:
+        """Decide the route; return (route, all prompt ids, count of leading ids the snapshot holds)."""
         if snapshot is not None and context is not None:
             raise ValueError("give a snapshot or a context, not both")
         if snapshot is not None:
             self._check(snapshot)
             prompt = self.prompts.tokenize(snapshot.system_prompt, question, snapshot.prefix_token_ids)
             if reuse_cache:
-                return "cache", prompt.ids, prompt.prefix_len, self._cache_from(snapshot)
-            return "full", prompt.ids, 0, None
+                return "cache", prompt.ids, prompt.prefix_len
+            return "full", prompt.ids, 0
         if context is not None:
-            return "retrieval", self.prompts.tokenize(passages_system(context), question).ids, 0, None
-        return "question-only", self.prompts.tokenize(QUESTION_ONLY_SYSTEM, question).ids, 0, None
+            return "retrieval", self.prompts.tokenize(passages_system(context), question).ids, 0
+        return "question-only", self.prompts.tokenize(QUESTION_ONLY_SYSTEM, question).ids, 0
+
+    def _check_room(self, route: str, ids: list[int], reused: int, budget: int) -> None:
+        if budget < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if len(ids) + budget > self.max_context_tokens:
+            raise PromptError(f"prompt of {len(ids)} tokens + {budget} new tokens exceeds the context of "
+                              f"{self.max_context_tokens} tokens")
+        if len(ids) - reused > self.question_budget_tokens and route == "cache":
+            raise PromptError(f"question is {len(ids) - reused} tokens; the limit is {self.question_budget_tokens}")
 
     @torch.inference_mode()
     def suffix_logits(self, question: str, snapshot: Snapshot, reuse_cache: bool = True) -> torch.Tensor:
         """Logits at the question's positions, with or without the snapshot: the exactness check."""
-        _, ids, reused, cache = self._plan(question, snapshot, None, reuse_cache)
+        _, ids, reused = self._plan(question, snapshot, None, reuse_cache)
         prefix_len = len(snapshot.prefix_token_ids)
-        cache = cache if cache is not None else DynamicCache(config=self.model.config)
+        if reused and self.prefix_decoder is not None:
+            suffix = ids[reused:]
+            cache = self.prefix_decoder.start(snapshot.keys, snapshot.values, 1, len(suffix))
+            return self.prefix_decoder.step(cache, [suffix], all_positions=True)[0]
+        cache = self._cache_from(snapshot) if reused else DynamicCache(config=self.model.config)
         logits = self.model(input_ids=torch.tensor([ids[reused:]]), cache=cache, use_cache=True).logits[0]
         return logits[prefix_len - reused:]
+
+    @torch.inference_mode()
+    def _greedy_rows(self, suffixes: Sequence[list[int]], snapshot: Snapshot, budget: int) -> Iterator[dict[int, int]]:
+        """Decode every row against the shared snapshot together; yield {row: token} of the rows still
+        running at each step. A row stops after an EOS token or ``budget`` other tokens."""
+        cache = self.prefix_decoder.start(snapshot.keys, snapshot.values, len(suffixes), max(map(len, suffixes)) + budget)
+        running = list(range(len(suffixes)))
+        feeds = [list(suffix) for suffix in suffixes]
+        produced = [0] * len(suffixes)
+        while running:
+            tokens = self.prefix_decoder.step(cache, feeds).argmax(-1).tolist()
+            yield dict(zip(running, tokens))
+            keep = []
+            for position, (row, token) in enumerate(zip(running, tokens)):
+                produced[row] += 1
+                if token not in self.eos_ids and produced[row] < budget:
+                    keep.append(position)
+            if keep and len(keep) < len(running):
+                cache.keep_rows(keep)
+            running = [running[position] for position in keep]
+            feeds = [[tokens[position]] for position in keep]
+
+    @torch.inference_mode()
+    def _greedy(self, ids: list[int], reused: int, snapshot: Snapshot | None, budget: int) -> Iterator[int]:
+        """Greedy tokens for one prompt until EOS (yielded) or ``budget`` tokens."""
+        if reused and self.prefix_decoder is not None:
+            for step in self._greedy_rows([ids[reused:]], snapshot, budget):
+                yield step[0]
+            return
+        cache = self._cache_from(snapshot) if reused else DynamicCache(config=self.model.config)
+        feed = ids[reused:]
+        for _ in range(budget):
+            token = int(self.model(input_ids=torch.tensor([feed]), cache=cache, use_cache=True).logits[0, -1].argmax())
+            yield token
+            if token in self.eos_ids:
+                return
+            feed = [token]
 
     def stream(self, question: str, snapshot: Snapshot | None = None, context: Sequence[Passage] | None = None,
                max_new_tokens: int | None = None, reuse_cache: bool = True) -> Iterator[str | Answer]:
         """Yield text pieces as tokens are decoded, then the final ``Answer``."""
         started = time.perf_counter()
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if budget < 1:
-            raise ValueError("max_new_tokens must be at least 1")
-        route, ids, reused, cache = self._plan(question, snapshot, context, reuse_cache)
-        if len(ids) + budget > self.max_context_tokens:
-            raise PromptError(f"prompt of {len(ids)} tokens + {budget} new tokens exceeds the context of "
-                              f"{self.max_context_tokens} tokens")
-        if len(ids) - reused > self.question_budget_tokens and route == "cache":
-            raise PromptError(f"question is {len(ids) - reused} tokens; the limit is {self.question_budget_tokens}")
+        route, ids, reused = self._plan(question, snapshot, context, reuse_cache)
+        self._check_room(route, ids, reused, budget)
         generated: list[int] = []
         emitted = ""
         ttft = 0.0
         finish = "length"
-        with torch.inference_mode():
-            cache = cache if cache is not None else DynamicCache(config=self.model.config)
-            feed = ids[reused:]
-            while len(generated) < budget:
-                logits = self.model(input_ids=torch.tensor([feed]), cache=cache, use_cache=True).logits
-                token = int(logits[0, -1].argmax())
-                if not generated:
-                    ttft = time.perf_counter() - started
-                if token in self.eos_ids:
-                    finish = "eos"
-                    break
-                generated.append(token)
-                text = self.tokenizer.decode(generated, skip_special_tokens=True)
-                if not text.endswith("\ufffd"):  # hold back a half-decoded multi-byte character
-                    if len(text) > len(emitted):
-                        yield text[len(emitted):]
-                    emitted = text
-                feed = [token]
+        for token in self._greedy(ids, reused, snapshot, budget):
+            if not ttft:
+                ttft = time.perf_counter() - started
+            if token in self.eos_ids:
+                finish = "eos"
+                break
+            generated.append(token)
+            text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # hold back a half-decoded multi-byte character
+                if len(text) > len(emitted):
+                    yield text[len(emitted):]
+                emitted = text
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
         if len(text) > len(emitted):
             yield text[len(emitted):]
@@ -268,6 +311,34 @@ class Engine:
                 return item
         raise AssertionError("stream ended without an answer")
 
+    def answer_batch(self, questions: Sequence[str], snapshot: Snapshot,
+                     max_new_tokens: int | None = None) -> list[Answer]:
+        """Answer several questions about one snapshot, decoded together: the prefix is read once per step
+        for all of them. Each answer is token-identical to ``answer`` on its own; its ttft_s and total_s
+        are measured from the call to that row's first and last token."""
+        started = time.perf_counter()
+        budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        plans = [self._plan(question, snapshot, None, True) for question in questions]
+        for route, ids, reused in plans:
+            self._check_room(route, ids, reused, budget)
+        if self.prefix_decoder is None or not plans:
+            return [self.answer(question, snapshot=snapshot, max_new_tokens=budget) for question in questions]
+        generated: list[list[int]] = [[] for _ in plans]
+        ttft = [0.0] * len(plans)
+        finished = [0.0] * len(plans)
+        finish = ["length"] * len(plans)
+        for step in self._greedy_rows([ids[reused:] for _, ids, reused in plans], snapshot, budget):
+            now = time.perf_counter() - started
+            for row, token in step.items():
+                ttft[row] = ttft[row] or now
+                finished[row] = now
+                if token in self.eos_ids:
+                    finish[row] = "eos"
+                else:
+                    generated[row].append(token)
+        return [Answer(self.tokenizer.decode(tokens, skip_special_tokens=True).strip(), "cache", len(ids), reused,
+                       ttft[row], finished[row], finish[row], tokens, str(snapshot.key))
+                for row, ((_, ids, reused), tokens) in enumerate(zip(plans, generated))]
 
 _WORD = re.compile(r"[a-z0-9]+")
 

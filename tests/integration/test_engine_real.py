@@ -1,0 +1,40 @@
+"""Shared-prefix decoding on the real model: single, streamed and batched answers from a snapshot are
+token-identical to the full prompt, and the logits agree."""
+
+import pytest
+import torch
+
+from cagflow.documents import parse_file
+from cagflow.engine import Answer, Engine
+
+QUESTIONS = ["Which port does the web console use?", "How long are backups kept?",
+             "Who can approve an emergency change?"]
+
+
+@pytest.mark.real_model
+def test_real_model_shared_prefix_is_exact(real_model, corpus):
+    engine = Engine(real_model, max_context_tokens=600, max_new_tokens=10, question_budget_tokens=128)
+    assert engine.prefix_decoder is not None
+    entry = corpus.tier("fixed")[0]
+    snapshot = engine.precompute(engine.split(entry.doc_id, entry.version, parse_file(corpus.file(entry),
+                                                                                      entry.title))[0])
+    tensors = snapshot.keys + snapshot.values
+    before = [t.clone() for t in tensors]
+    pointers = [t.data_ptr() for t in tensors]
+
+    full = [engine.answer(q, snapshot=snapshot, reuse_cache=False) for q in QUESTIONS]
+    for question, reference in zip(QUESTIONS, full):
+        assert engine.answer(question, snapshot=snapshot).token_ids == reference.token_ids
+    for question in QUESTIONS[:2]:
+        cached = engine.suffix_logits(question, snapshot)
+        uncached = engine.suffix_logits(question, snapshot, reuse_cache=False)
+        assert torch.allclose(cached, uncached, atol=1e-4), (question, (cached - uncached).abs().max())
+    streamed = list(engine.stream(QUESTIONS[0], snapshot=snapshot))
+    assert isinstance(streamed[-1], Answer) and streamed[-1].token_ids == full[0].token_ids
+    assert "".join(streamed[:-1]).strip() == full[0].text
+    batch = engine.answer_batch(QUESTIONS, snapshot)
+    assert [a.token_ids for a in batch] == [a.token_ids for a in full]
+    assert [a.finish_reason for a in batch] == [a.finish_reason for a in full]
+
+    assert [t.data_ptr() for t in snapshot.keys + snapshot.values] == pointers
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot.keys + snapshot.values))
