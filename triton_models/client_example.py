@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     reused = f"{item['REUSED_TOKENS']}/{item['PROMPT_TOKENS']} prompt tokens reused"
                     print(f"\n[{item['ROUTE']} · {reused} · TTFT {item['TTFT_MS']:.0f} ms · "
-                          f"release {item['RELEASE_ID'] or '-'}]", file=sys.stderr)
+                          f"release {item['RELEASE_ID'] or '-'} · {item['ANSWER_SOURCE']}]", file=sys.stderr)
         elif args.command == "reload":
             result = reload(args.http, args.release_id)
             print(result["RELEASE_ID"], result["STATUS"])

@@ -546,9 +546,13 @@ def collect_garbage(keep_releases: int | None = None, unused_days: float | None 
         if not dry_run:
             store.delete(name)
         log.info("%s %s (%d bytes)", verb, name, size)
+    from .resident import prune_heat  # imports torch: not at DAG parse time
+
+    heat_objects = prune_heat(store, unused_days, now, dry_run=dry_run)
     log.info("%s %d snapshot(s) and %d release(s): %d bytes %s; kept releases %s (last %d and the active one, "
              "snapshots read within %g days)", verb, len(plan.snapshots), len(plan.releases), plan.bytes,
              "would be freed" if dry_run else "freed", ", ".join(plan.kept_releases) or "none", keep_releases,
              unused_days)
     return {"dry_run": dry_run, "store": store.url, "kept_releases": plan.kept_releases,
-            "snapshots": sorted(plan.snapshots), "releases": sorted(plan.releases), "bytes_freed": plan.bytes}
+            "snapshots": sorted(plan.snapshots), "releases": sorted(plan.releases), "bytes_freed": plan.bytes,
+            "heat_objects": heat_objects}

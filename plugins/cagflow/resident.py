@@ -9,8 +9,13 @@
   it is not quarantined.
 - A request pins the release it started on (``pin()``); ``activate`` swaps releases atomically, and
   requests in flight keep using the old one's snapshots (they hold references; nothing is mutated).
+- A snapshot evicted (or dropped by a release switch) while requests still use it stays in memory until
+  they finish. Its bytes are tracked (``evicted_in_use_bytes``) and count toward ``max_bytes`` when the
+  next snapshot is admitted, so the budget is exceeded only while every resident snapshot is in use.
 - Access counts ("heat") are kept in the store, one object per replica, so preload can start with the
   snapshots that were asked for most, on any replica, before a restart. Nothing assumes a shared disk.
+  Objects of replicas that stopped writing (not updated for ``stale_after_days``) are ignored, and
+  ``prune_heat`` deletes them.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -68,19 +74,42 @@ class ResidentListener:
 
     def on_resident(self, states: int, nbytes: int) -> None: ...
 
+    def on_evicted_in_use(self, nbytes: int) -> None: ...
+
 
 _REPLICA = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def stale_heat(store: SnapshotStore, max_age_days: float, now: float | None = None) -> list[str]:
+    """Heat objects not written for ``max_age_days``: their replicas are gone (a live one flushes every
+    minute or so while it serves), and counts that old say little about what is asked now."""
+    cutoff = (time.time() if now is None else now) - max_age_days * 86400
+    return sorted(info.name for info in store.list(HEAT_PREFIX) if info.modified < cutoff)
+
+
+def prune_heat(store: SnapshotStore, max_age_days: float, now: float | None = None,
+               dry_run: bool = False) -> list[str]:
+    """Delete (or, in a dry run, only list) the stale heat objects; the maintenance run calls this."""
+    names = stale_heat(store, max_age_days, now)
+    if not dry_run:
+        for name in names:
+            store.delete(name)
+    for name in names:
+        log.info("%s stale heat object %s", "would delete" if dry_run else "deleted", name)
+    return names
 
 
 class HeatLog:
     """Access counts per snapshot key, stored as ``heat/{replica}.json``.
 
     Each replica writes only its own object (so replicas never overwrite each other's counts) and reads
-    all of them to rank snapshots: a new replica preloads what the fleet asks for most.
+    all of them, except stale ones, to rank snapshots: a new replica preloads what the fleet asks for most.
     """
 
-    def __init__(self, store: SnapshotStore, replica_id: str, flush_interval_s: float = 60.0):
+    def __init__(self, store: SnapshotStore, replica_id: str, flush_interval_s: float = 60.0,
+                 stale_after_days: float = float("inf")):
         self.store = store
+        self.stale_after_days = stale_after_days
         self.replica_id = _REPLICA.sub("-", replica_id).strip("-.") or "replica"
         self.object_name = f"{HEAT_PREFIX}{self.replica_id}.json"
         self.flush_interval_s = flush_interval_s
@@ -92,11 +121,14 @@ class HeatLog:
         self._flusher: threading.Thread | None = None
 
     def load(self) -> None:
-        """Read every replica's counts; this replica's own become its running totals."""
+        """Read every live replica's counts; this replica's own become its running totals."""
         own: dict[str, int] = {}
         others: dict[str, int] = {}
         try:
+            stale = set(stale_heat(self.store, self.stale_after_days)) - {self.object_name}
             for info in self.store.list(HEAT_PREFIX):
+                if info.name in stale:
+                    continue
                 counts = self._read(info.name)
                 target = own if info.name == self.object_name else others
                 for key, count in counts.items():
@@ -201,6 +233,7 @@ class ResidentState:
     keys: list[str]  # least recently used first
     nbytes: int
     quarantined: dict[str, str]
+    evicted_in_use_bytes: int = 0  # evicted snapshots that requests still hold (see the module docstring)
 
 
 @dataclass
@@ -256,6 +289,8 @@ class ResidentSet:
         self._resident: OrderedDict[str, _Resident] = OrderedDict()
         self._bytes = 0
         self._generation: _Generation | None = None
+        self._evicted_lock = threading.Lock()  # taken by finalizers, which may run while _lock is held
+        self._evicted_in_use = 0
 
     # ---- release -----------------------------------------------------------------------------------
 
@@ -286,7 +321,7 @@ class ResidentSet:
             wanted = {(entry.key, entry.sha256) for entry in release.snapshots}
             dropped = [key for key, item in self._resident.items() if (key, item.sha256) not in wanted]
             for key in dropped:
-                self._bytes -= self._resident.pop(key).nbytes
+                self._retire(self._resident.pop(key))
             states, nbytes, kept = len(self._resident), self._bytes, len(self._resident)
         self.listener.on_resident(states, nbytes)
         self.listener.on_quarantine(0)
@@ -383,14 +418,31 @@ class ResidentSet:
         evicted = 0
         previous = self._resident.pop(key, None)
         if previous is not None:
-            self._bytes -= previous.nbytes
-        while self._resident and (len(self._resident) >= self.max_states or self._bytes + nbytes > self.max_bytes):
-            _, victim = self._resident.popitem(last=False)
-            self._bytes -= victim.nbytes
+            self._retire(previous)
+        while self._resident and (len(self._resident) >= self.max_states or
+                                  self._bytes + self.evicted_in_use_bytes + nbytes > self.max_bytes):
+            self._retire(self._resident.popitem(last=False)[1])
             evicted += 1
         self._resident[key] = _Resident(sha256, snapshot, nbytes)
         self._bytes += nbytes
         return evicted, len(self._resident), self._bytes
+
+    def _retire(self, resident: _Resident) -> None:
+        """Take a snapshot out of the resident set; its bytes count as evicted-in-use until the last
+        request holding it lets go (at once when none does). Caller holds the lock."""
+        self._bytes -= resident.nbytes
+        self._track_evicted(resident.nbytes)
+        weakref.finalize(resident.snapshot, self._track_evicted, -resident.nbytes).atexit = False
+
+    def _track_evicted(self, delta: int) -> None:
+        with self._evicted_lock:  # the listener is called under it, so it sees the totals in order
+            self._evicted_in_use += delta
+            self.listener.on_evicted_in_use(self._evicted_in_use)
+
+    @property
+    def evicted_in_use_bytes(self) -> int:
+        with self._evicted_lock:
+            return self._evicted_in_use
 
     # ---- preload and state -------------------------------------------------------------------------
 
@@ -412,7 +464,8 @@ class ResidentSet:
             with self._lock:
                 if len(self._resident) >= self.max_states:
                     break
-                if entry.key in self._resident or self._bytes + entry.bytes > self.max_bytes:
+                if entry.key in self._resident or \
+                        self._bytes + self.evicted_in_use_bytes + entry.bytes > self.max_bytes:
                     continue
             try:
                 acquired = self._acquire(generation, entry.key, count=False)
@@ -432,7 +485,8 @@ class ResidentSet:
         with self._lock:
             generation = self._generation
             return ResidentState(generation.release.release_id if generation else None, list(self._resident),
-                                 self._bytes, dict(generation.quarantine) if generation else {})
+                                 self._bytes, dict(generation.quarantine) if generation else {},
+                                 self.evicted_in_use_bytes)
 
     def close(self) -> None:
         """Save the heat counts; resident snapshots are simply released with the process."""

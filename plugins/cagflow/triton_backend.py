@@ -4,23 +4,30 @@ errors and metrics. The model files only wire these into Triton's ``initialize /
 Threading: the Python backend's calls (tensors, responses, metrics) are made only on the thread that runs
 ``execute`` (the stub's event loop); model work runs in a thread pool and talks back through asyncio.
 Metrics are therefore collected from any thread and published from ``execute``.
+
+Answering a Triton batch (``answer_requests``): a repeat of an answered question is served from the
+answer cache, a question already being computed waits for that computation (``cagflow.answer_cache``),
+and the rest are computed, those on the same snapshot with the same budget in one batched pass.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import socket
 import sys
 import threading
 import time
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import torch
 
+from .answer_cache import (ANSWER_CACHE, COMPUTED, MERGED, AnswerCache, AnswerCacheListener, AnswerKey, Claim,
+                           context_digest)
 from .catalog import PrecomputeResult, SnapshotUnusable, precompute_part
 from .config import Config, ConfigError, load_config
 from .documents import PARSERS, DocumentError, ParsedDocument
@@ -53,12 +60,14 @@ class ServingSettings:
     worker_threads: int = 4
     release_poll_s: float = 30.0
     heat_flush_s: float = 60.0
+    answer_cache_entries: int = 1024
 
     @classmethod
     def from_triton(cls, args: dict[str, str]) -> "ServingSettings":
         config = json.loads(args["model_config"])
         raw = {key: value.get("string_value", "") for key, value in (config.get("parameters") or {}).items()}
-        known = {"config_file", "replica_id", "worker_threads", "release_poll_s", "heat_flush_s"}
+        known = {"config_file", "replica_id", "worker_threads", "release_poll_s", "heat_flush_s",
+                 "answer_cache_entries"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(f"{args['model_name']}/config.pbtxt: unknown parameters {', '.join(unknown)} "
@@ -84,6 +93,7 @@ class ServingSettings:
             worker_threads=number("worker_threads", int, 4, 1),
             release_poll_s=number("release_poll_s", float, 30.0, 0.0),
             heat_flush_s=number("heat_flush_s", float, 60.0, 0.0),
+            answer_cache_entries=number("answer_cache_entries", int, 1024, 0),
         )
 
 
@@ -161,11 +171,15 @@ def parse_context(text: str) -> tuple[Passage, ...]:
 
 @dataclass(frozen=True)
 class ServedAnswer:
+    """An answer with how it was served. A merged or answer-cache answer carries the timings and snapshot
+    facts of the computation that produced it."""
+
     answer: Answer
     release_id: str  # the release the snapshot came from; empty without a snapshot
     resident_hit: bool
     load_ms: float
     request_id: str = ""
+    source: str = COMPUTED  # "computed" | "merged" | "answer-cache"
 
     @property
     def cache_hit(self) -> bool:
@@ -185,14 +199,23 @@ class ReloadResult:
         return json.dumps(self.__dict__, sort_keys=True)
 
 
-class CagService:
-    """One process's answering state: the engine, the store and the resident snapshot set."""
+class ServingListener(ResidentListener, AnswerCacheListener):
+    """Everything a serving process reports (metrics); the default ignores it."""
 
-    def __init__(self, runtime: Runtime, resident: ResidentSet, release_poll_s: float = 0.0):
+    def on_batch(self, size: int) -> None: ...
+
+
+class CagService:
+    """One process's answering state: the engine, the store, the resident snapshot set and the answers."""
+
+    def __init__(self, runtime: Runtime, resident: ResidentSet, release_poll_s: float = 0.0,
+                 answer_cache_entries: int = 0, listener: ServingListener | None = None):
         self.runtime = runtime
         self.engine = runtime.engine
         self.store = runtime.store
         self.resident = resident
+        self.listener = listener or ServingListener()
+        self.answers: AnswerCache[ServedAnswer] = AnswerCache(answer_cache_entries, self.listener)
         self._reload_lock = threading.Lock()
         self._pointer_seen: str | None = None
         self._stop = threading.Event()
@@ -202,17 +225,18 @@ class CagService:
                                              name="cagflow-release-watch", daemon=True)
 
     @classmethod
-    def start(cls, settings: ServingSettings, listener: ResidentListener | None = None) -> "CagService":
+    def start(cls, settings: ServingSettings, listener: ServingListener | None = None) -> "CagService":
         """Load the model, activate the store's current release, preload it if configured; log what it cost."""
         started = time.perf_counter()
         runtime = Runtime.load(settings)
         cache = runtime.config.cache
-        heat = HeatLog(runtime.store, settings.replica_id, settings.heat_flush_s)
+        heat = HeatLog(runtime.store, settings.replica_id, settings.heat_flush_s,
+                       stale_after_days=runtime.config.maintenance.unused_days)
         heat.load()
         heat.start()
         resident = ResidentSet(runtime.store, runtime.engine.fingerprint, cache.max_resident_states,
                                cache.max_resident_bytes, heat, listener)
-        service = cls(runtime, resident, settings.release_poll_s)
+        service = cls(runtime, resident, settings.release_poll_s, settings.answer_cache_entries, listener)
         model_s = time.perf_counter() - started
         try:
             service.reload(None, preload=cache.preload_on_startup)
@@ -220,9 +244,9 @@ class CagService:
             log.error("serving without a release (cache path unavailable): %s", exc)
         state = resident.state()
         log.info("ready in %.1f s (model %.1f s); release %s; %d resident snapshots, %.1f MB; process RSS %.0f MB; "
-                 "preload %s; torch threads %d", time.perf_counter() - started, model_s, state.release_id,
-                 len(state.keys), state.nbytes / 1e6, _rss_mb(), "on" if cache.preload_on_startup else "off",
-                 torch.get_num_threads())
+                 "preload %s; torch threads %d; answer cache %d entries", time.perf_counter() - started, model_s,
+                 state.release_id, len(state.keys), state.nbytes / 1e6, _rss_mb(),
+                 "on" if cache.preload_on_startup else "off", torch.get_num_threads(), settings.answer_cache_entries)
         if service._watcher is not None:
             service._watcher.start()
         return service
@@ -246,24 +270,102 @@ class CagService:
             return parts[0]
         return parts[best_part(request.question, [part.snapshot.system_prompt for part in parts])]
 
+    def _budget(self, request: AnswerRequest) -> int:
+        return self.engine.max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
+
+    def answer_key(self, request: AnswerRequest) -> AnswerKey | None:
+        """What determines the answer: the active release and snapshot (or the passages), the normalised
+        question and the budget. None for questions alone, which are not kept."""
+        if request.snapshot_key:
+            release_id = self.resident.pin().release.release_id
+            return AnswerKey.of(release_id, request.snapshot_key, request.question, self._budget(request))
+        if request.context is not None:
+            return AnswerKey.of("", context_digest(request.context), request.question, self._budget(request))
+        return None
+
     def stream(self, request: AnswerRequest) -> Iterator[str | ServedAnswer]:
-        """Text pieces as they are decoded, then the ``ServedAnswer``."""
+        """Text pieces as they are decoded, then the ``ServedAnswer``. A kept answer comes as one piece;
+        a streamed answer is kept for later requests (streams are not merged: each shows its own progress)."""
+        key = self.answer_key(request)
+        kept = self.answers.get(key) if key is not None else None
+        if kept is not None:
+            yield kept.answer.text
+            yield dataclasses.replace(kept, request_id=request.request_id, source=ANSWER_CACHE)
+            return
         acquired = self._snapshot_for(request)
         snapshot = acquired.snapshot if acquired is not None else None
         for item in self.engine.stream(request.question, snapshot=snapshot, context=request.context,
                                        max_new_tokens=request.max_new_tokens):
             if isinstance(item, Answer):
-                yield ServedAnswer(item, acquired.release_id if acquired else "",
-                                   bool(acquired and acquired.resident_hit),
-                                   acquired.load_s * 1000 if acquired else 0.0, request.request_id)
+                served = self._served(item, acquired, request)
+                if key is not None:
+                    self.answers.store(key, served)
+                yield served
             else:
                 yield item
 
-    def answer(self, request: AnswerRequest) -> ServedAnswer:
-        for item in self.stream(request):
-            if isinstance(item, ServedAnswer):
-                return item
-        raise RuntimeError("the engine ended without an answer")
+    @staticmethod
+    def _served(answer: Answer, acquired: Acquired | None, request: AnswerRequest) -> ServedAnswer:
+        return ServedAnswer(answer, acquired.release_id if acquired else "", bool(acquired and acquired.resident_hit),
+                            acquired.load_s * 1000 if acquired else 0.0, request.request_id)
+
+    # ---- answering a batch ---------------------------------------------------------------------------
+
+    def claim(self, request: AnswerRequest) -> Claim[ServedAnswer]:
+        return self.answers.claim(self.answer_key(request))
+
+    def groups(self, leading: Sequence[tuple[AnswerRequest, Claim]]) -> list[list[tuple[AnswerRequest, Claim]]]:
+        """Requests to compute together: same requested snapshot and budget. Passages and questions alone
+        are computed one by one."""
+        groups: dict[tuple, list[tuple[AnswerRequest, Claim]]] = {}
+        for position, (request, claim) in enumerate(leading):
+            together = (request.snapshot_key, self._budget(request)) if request.snapshot_key else (position,)
+            groups.setdefault(together, []).append((request, claim))
+        return list(groups.values())
+
+    def compute(self, group: Sequence[tuple[AnswerRequest, Claim]]) -> None:
+        """Answer the leading requests of one group and finish their claims (never raises). Requests that
+        resolve to the same snapshot (a doc_id may resolve to different parts) share one batched pass."""
+        try:
+            by_snapshot: dict[int, list[tuple[AnswerRequest, Claim, Acquired | None]]] = {}
+            for request, claim in group:
+                try:
+                    acquired = self._snapshot_for(request)
+                except Exception as exc:
+                    self.answers.finish(claim, error=exc)
+                    continue
+                together = id(acquired.snapshot) if acquired is not None else id(claim)
+                by_snapshot.setdefault(together, []).append((request, claim, acquired))
+            for members in by_snapshot.values():
+                self._compute_together(members)
+        finally:
+            for _, claim in group:
+                if not claim.future.done():
+                    self.answers.finish(claim, error=RuntimeError("the answer was not computed"))
+
+    def _compute_together(self, members: Sequence[tuple[AnswerRequest, Claim, Acquired | None]]) -> None:
+        request, _, acquired = members[0]
+        try:
+            if len(members) == 1:
+                answers = [self.engine.answer(request.question, snapshot=acquired.snapshot if acquired else None,
+                                              context=request.context, max_new_tokens=request.max_new_tokens)]
+            else:
+                answers = self.engine.answer_batch([member[0].question for member in members], acquired.snapshot,
+                                                   self._budget(request))
+                self.listener.on_batch(len(members))
+        except ValueError as exc:
+            if len(members) == 1:
+                self.answers.finish(members[0][1], error=exc)
+                return
+            for member in members:  # bad input (a question too long...): only that request fails
+                self._compute_together([member])
+            return
+        except Exception as exc:
+            for _, claim, _ in members:
+                self.answers.finish(claim, error=exc)
+            return
+        for (request, claim, acquired), answer in zip(members, answers):
+            self.answers.finish(claim, self._served(answer, acquired, request))
 
     # ---- releases ------------------------------------------------------------------------------------
 
@@ -281,6 +383,8 @@ class CagService:
             if release_id is None:
                 self._pointer_seen = release.release_id
             switch = self.resident.activate(release)
+            if switch.changed:
+                self.answers.clear()
             if preload is None:
                 preload = self.runtime.config.cache.preload_on_startup
             report = self.resident.preload() if preload else None
@@ -312,6 +416,31 @@ class CagService:
         if self._watcher is not None and self._watcher.is_alive():
             self._watcher.join(timeout=5)
         self.resident.close()
+
+
+@dataclass
+class Serving:
+    """What an answering model holds from ``initialize`` to ``finalize``."""
+
+    settings: ServingSettings
+    metrics: "TritonMetrics"
+    service: CagService
+    pool: ThreadPoolExecutor
+
+    @classmethod
+    def start(cls, pb_utils, args: dict[str, str]) -> "Serving":
+        settings = ServingSettings.from_triton(args)
+        configure_logging(settings.instance_name)
+        metrics = TritonMetrics(pb_utils, settings.model_name, settings.instance_name)
+        service = CagService.start(settings, listener=metrics)
+        pool = ThreadPoolExecutor(settings.worker_threads, thread_name_prefix=settings.model_name)
+        metrics.publish()
+        return cls(settings, metrics, service, pool)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.service.close()
+        self.metrics.close()
 
 
 # ---- precompute -------------------------------------------------------------------------------------
@@ -463,6 +592,7 @@ def answer_outputs(pb_utils, served: ServedAnswer) -> list:
         _text(pb_utils, "FINISH_REASON", answer.finish_reason),
         _text(pb_utils, "REQUEST_ID", served.request_id),
         pb_utils.Tensor("TOKEN_IDS", np.array([answer.token_ids], dtype=np.int32).reshape(1, -1)),
+        _text(pb_utils, "ANSWER_SOURCE", served.source),
     ]
 
 
@@ -494,6 +624,61 @@ def error_response(pb_utils, exc: BaseException, request_id: str = ""):
 
 async def in_thread(pool: Executor, function: Callable, *args):
     return await asyncio.get_running_loop().run_in_executor(pool, function, *args)
+
+
+async def answer_requests(service: CagService, pool: Executor,
+                          requests: Sequence[AnswerRequest]) -> list[ServedAnswer | Exception]:
+    """Answer one Triton batch, in order: repeats from the answer cache, questions already in flight by
+    waiting for them, the rest computed in ``pool`` (one batched pass per snapshot and budget)."""
+    claims: list[Claim | Exception] = []
+    for request in requests:
+        try:
+            claims.append(service.claim(request))
+        except Exception as exc:  # no active release...
+            claims.append(exc)
+    leading = [(request, claim) for request, claim in zip(requests, claims) if isinstance(claim, Claim) and claim.leads]
+    await asyncio.gather(*(in_thread(pool, service.compute, group) for group in service.groups(leading)))
+    results: list[ServedAnswer | Exception] = []
+    for request, claim in zip(requests, claims):
+        if isinstance(claim, Exception):
+            results.append(claim)
+            continue
+        try:
+            served = await asyncio.wrap_future(claim.future)
+        except Exception as exc:
+            results.append(exc)
+            continue
+        results.append(dataclasses.replace(served, request_id=request.request_id, source=claim.source))
+    return results
+
+
+async def respond(pb_utils, serving: "Serving", requests) -> list:
+    """``cag_llm``'s responses, one per request: reloads on their own, answers through ``answer_requests``."""
+    responses: list = [None] * len(requests)
+    questions: dict[int, AnswerRequest] = {}
+    reloads = []
+    for position, request in enumerate(requests):
+        try:
+            if read_action(pb_utils, request) == "reload":
+                reloads.append((position, input_text(pb_utils, request, "RELEASE_ID") or None))
+            else:
+                questions[position] = read_answer_request(pb_utils, request)
+        except Exception as exc:
+            responses[position] = error_response(pb_utils, exc, request.request_id())
+
+    async def reload(position: int, release_id: str | None) -> None:
+        try:
+            result = await in_thread(serving.pool, serving.service.reload, release_id)
+            responses[position] = pb_utils.InferenceResponse(output_tensors=reload_outputs(pb_utils, result))
+        except Exception as exc:
+            responses[position] = error_response(pb_utils, exc, requests[position].request_id())
+
+    await asyncio.gather(*(reload(position, release_id) for position, release_id in reloads))
+    answers = await answer_requests(serving.service, serving.pool, list(questions.values()))
+    for (position, question), result in zip(questions.items(), answers):
+        responses[position] = (error_response(pb_utils, result, question.request_id) if isinstance(result, Exception)
+                               else pb_utils.InferenceResponse(output_tensors=answer_outputs(pb_utils, result)))
+    return responses
 
 
 async def iterate_in_thread(pool: Executor, make_iterator: Callable[[], Iterator]) -> AsyncIterator:
@@ -537,10 +722,10 @@ async def iterate_in_thread(pool: Executor, make_iterator: Callable[[], Iterator
 
 # ---- metrics ----------------------------------------------------------------------------------------
 
-class TritonMetrics(ResidentListener):
+class TritonMetrics(ServingListener):
     """Custom metrics on Triton's metrics port (``pb_utils.MetricFamily``).
 
-    The resident set reports from request threads; the counts are buffered here and published by
+    The service reports from request threads; the counts are buffered here and published by
     ``publish()``, which the model calls from ``execute``, the only thread allowed to talk to Triton.
     """
 
@@ -559,6 +744,20 @@ class TritonMetrics(ResidentListener):
             "bytes": ("cagflow_resident_bytes", "Bytes of KV tensors resident in memory", family.GAUGE),
             "quarantined": ("cagflow_quarantined_snapshots", "Snapshots of the active release that failed verification",
                             family.GAUGE),
+            "evicted_in_use": ("cagflow_evicted_in_use_bytes",
+                               "Bytes of evicted snapshots still held by running requests (count toward the budget)",
+                               family.GAUGE),
+            "answer_requests": ("cagflow_answer_requests_total", "Answer requests (not reloads)", family.COUNTER),
+            "answer_cache_lookups": ("cagflow_answer_cache_lookups_total",
+                                     "Answer requests that looked in the answer cache", family.COUNTER),
+            "answer_cache_hits": ("cagflow_answer_cache_hits_total", "Answers served from the answer cache",
+                                  family.COUNTER),
+            "merged": ("cagflow_merged_requests_total",
+                       "Answer requests that waited for an identical request already being computed", family.COUNTER),
+            "batched": ("cagflow_batched_requests_total",
+                        "Requests computed in a batched pass with others on the same snapshot", family.COUNTER),
+            "batches": ("cagflow_batches_total", "Batched passes (two or more requests on one snapshot)",
+                        family.COUNTER),
         }
         self._families = {}
         self._metrics = {}
@@ -570,7 +769,7 @@ class TritonMetrics(ResidentListener):
                                         kind=family.HISTOGRAM)
         self._metrics["load"] = self._families["load"].Metric(labels=labels, buckets=LOAD_SECONDS_BUCKETS)
         self._lock = threading.Lock()
-        self._increments = {"hits": 0, "misses": 0, "evictions": 0, "store_errors": 0}
+        self._increments = dict.fromkeys((name for name, spec in specs.items() if spec[2] == family.COUNTER), 0)
         self._gauges: dict[str, float] = {}
         self._load_seconds: list[float] = []
 
@@ -602,6 +801,22 @@ class TritonMetrics(ResidentListener):
         with self._lock:
             self._gauges["states"] = states
             self._gauges["bytes"] = nbytes
+
+    def on_evicted_in_use(self, nbytes: int) -> None:
+        with self._lock:
+            self._gauges["evicted_in_use"] = nbytes
+
+    def on_answer(self, source: str, looked_up: bool) -> None:
+        with self._lock:
+            self._increments["answer_requests"] += 1
+            self._increments["answer_cache_lookups"] += looked_up
+            self._increments["answer_cache_hits"] += source == ANSWER_CACHE
+            self._increments["merged"] += source == MERGED
+
+    def on_batch(self, size: int) -> None:
+        with self._lock:
+            self._increments["batched"] += size
+            self._increments["batches"] += 1
 
     def publish(self) -> None:
         with self._lock:

@@ -292,10 +292,13 @@ def test_version_bump_writes_a_new_key_and_keeps_the_old_one(use, tmp_path, tiny
 
     # Maintenance: nothing is deleted by default; with a window of one release and no grace period the
     # superseded version (and the release that held it) goes.
+    # A heat object left by a replica that is gone goes too.
+    store.put("heat/gone-replica.json", b'{"support-faq/1.7.0/0000000000000000": 3}')
     dry = run_dag("cag_snapshot_maintenance", {"keep_releases": 1, "unused_days": 0})
     assert dry.state == "success", states(dry)
     report = returned(dry, "collect_garbage")
     assert report["dry_run"] and report["snapshots"] == [old_faq.object_name]
+    assert report["heat_objects"] == ["heat/gone-replica.json"] and "heat/gone-replica.json" in objects(store)
     assert report["releases"] == [first.object_name] and report["bytes_freed"] > old_faq.bytes
     assert old_faq.object_name in objects(store)
 
@@ -303,6 +306,7 @@ def test_version_bump_writes_a_new_key_and_keeps_the_old_one(use, tmp_path, tiny
     assert wet.state == "success", states(wet)
     assert returned(wet, "collect_garbage")["bytes_freed"] == report["bytes_freed"]
     assert old_faq.object_name not in objects(store) and list_releases(store) == [second.release_id]
+    assert "heat/gone-replica.json" not in objects(store)
     assert returned(wet, "verify_active_release")["release_id"] == second.release_id
     assert_release_verifies(store, doc_ids)
 

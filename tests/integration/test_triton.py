@@ -1,13 +1,16 @@
 """The Triton models on a real ``tritonserver`` (started here on 127.0.0.1, free ports), through the
 example client: answers identical to the in-process engine, errors, quarantine, LRU, reload under load,
-metrics, streaming and precompute. Most tests use the tiny random model; one uses the real one."""
+metrics, streaming, precompute, request merging, the answer cache and batching on one snapshot. Most
+tests use the tiny random model; one uses the real one."""
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from tritonclient.utils import InferenceServerException
@@ -140,9 +143,12 @@ def test_unknown_key_and_bad_inputs_are_clear_errors(server, tiny):
 def test_lru_eviction_at_max_resident_states(server, tiny):
     _, _, release = tiny
     k1, k2, k3 = (entry.key for entry in release.snapshots[1:4])
+    asked = itertools.count()
 
-    def resident_hit(key: str) -> bool:
-        return client.ask(server.http_url, QUESTION, key, max_new_tokens=1)["RESIDENT_HIT"]
+    def resident_hit(key: str) -> bool:  # a new question each time, so no answer comes from the answer cache
+        reply = client.ask(server.http_url, f"{QUESTION} ({next(asked)})", key, max_new_tokens=1)
+        assert reply["ANSWER_SOURCE"] == "computed"
+        return reply["RESIDENT_HIT"]
 
     resident_hit(k2)
     resident_hit(k3)  # whatever was resident before, now exactly k2 and k3 are (max_resident_states=2)
@@ -263,6 +269,94 @@ def test_precompute_entry_writes_a_snapshot_that_verifies(server, tiny, corpus):
     assert [e["sha256"] for e in again] == [e["sha256"] for e in entries] and all(e["skipped"] for e in again)
     bad = error_of(client.precompute, server.http_url, document.doc_id, document.version, "text", "pdf")
     assert bad.status() == "400" and "FORMAT 'pdf' is not supported" in bad.message()
+
+
+def ask_together(server, questions: list[str], key: str) -> list[dict]:
+    """Every question sent at the same moment from its own connection."""
+    start = threading.Barrier(len(questions))
+
+    def ask(question: str) -> dict:
+        start.wait()
+        return client.ask(server.http_url, question, key)
+
+    with ThreadPoolExecutor(len(questions)) as pool:
+        return list(pool.map(ask, questions))
+
+
+def test_identical_concurrent_questions_are_computed_once_then_kept(server, tiny):
+    engine, store, release = tiny
+    entry = release.snapshots[0]
+    question = "How do I rotate the signing keys?"
+    before = server.metrics_text()
+    replies = ask_together(server, [question] * 8, entry.key)
+    after = server.metrics_text()
+    expected = engine.answer(question, snapshot=load_snapshot(store, entry), max_new_tokens=MAX_NEW_TOKENS)
+    assert all(reply["TOKEN_IDS"] == expected.token_ids for reply in replies)
+    sources = sorted(reply["ANSWER_SOURCE"] for reply in replies)
+    assert sources.count("computed") == 1 and set(sources) <= {"computed", "merged", "answer-cache"}
+
+    def grew(name: str, text_after: str, text_before: str) -> float:
+        return metric(text_after, name, "cag_llm") - metric(text_before, name, "cag_llm")
+
+    assert grew("cagflow_merged_requests_total", after, before) + \
+        grew("cagflow_answer_cache_hits_total", after, before) == 7
+    assert grew("cagflow_answer_requests_total", after, before) == 8
+    assert grew("cagflow_answer_cache_lookups_total", after, before) == 8
+
+    repeat = client.ask(server.http_url, "  how do I ROTATE the signing keys? ", entry.key, request_id="again")
+    assert repeat["ANSWER_SOURCE"] == "answer-cache" and repeat["TOKEN_IDS"] == expected.token_ids
+    assert repeat["REQUEST_ID"] == "again"
+    assert grew("cagflow_answer_cache_hits_total", server.metrics_text(), after) == 1
+
+
+def test_different_questions_on_one_snapshot_are_batched_with_unbatched_answers(server, tiny):
+    engine, store, release = tiny
+    entry = release.snapshots[1]
+    snapshot = load_snapshot(store, entry)
+    topics = ["backups", "ports", "passwords", "logs"]
+    for attempt in range(5):  # a burst usually lands in one 5 ms batching window; retry when it did not
+        questions = [f"Where are the {topic} configured? ({attempt})" for topic in topics]
+        before = metric(server.metrics_text(), "cagflow_batched_requests_total", "cag_llm")
+        replies = ask_together(server, questions, entry.key)
+        for question, reply in zip(questions, replies):
+            expected = engine.answer(question, snapshot=snapshot, max_new_tokens=MAX_NEW_TOKENS)
+            assert reply["TOKEN_IDS"] == expected.token_ids and reply["ANSWER"] == expected.text
+            assert reply["ANSWER_SOURCE"] == "computed" and reply["CACHE_HIT"] is True
+        if metric(server.metrics_text(), "cagflow_batched_requests_total", "cag_llm") - before >= 2:
+            break
+    else:
+        pytest.fail("no two of the concurrent questions were ever answered in one batched pass")
+    assert metric(server.metrics_text(), "cagflow_batches_total", "cag_llm") >= 1
+
+
+def test_answer_cache_does_not_outlive_a_release(server, tiny, second_release):
+    _, _, first = tiny
+    doc_id = second_release.snapshots[1].doc_id
+    question = "What is the maintenance window?"
+    assert client.ask(server.http_url, question, doc_id)["RELEASE_ID"] == first.release_id
+    assert client.ask(server.http_url, question, doc_id)["ANSWER_SOURCE"] == "answer-cache"
+    try:
+        client.reload(server.http_url, second_release.release_id)
+        reply = client.ask(server.http_url, question, doc_id)
+        assert reply["ANSWER_SOURCE"] == "computed" and reply["RELEASE_ID"] == second_release.release_id
+        assert reply["SNAPSHOT_KEY"] == second_release.snapshots[1].key
+    finally:
+        client.reload(server.http_url)
+    assert client.ask(server.http_url, question, doc_id)["ANSWER_SOURCE"] == "computed"  # cleared again
+
+
+def test_streams_serve_a_kept_answer_in_one_piece(server, tiny):
+    _, _, release = tiny
+    key = release.snapshots[2].key
+    question = "Which ports must the firewall open?"
+    first = list(client.stream(server.grpc_url, question, key))
+    again = list(client.stream(server.grpc_url, question, key))
+    assert len(first) > 2 and first[-1]["ANSWER_SOURCE"] == "computed"
+    assert again[:-1] == [first[-1]["ANSWER"]] and again[-1]["ANSWER_SOURCE"] == "answer-cache"
+    assert again[-1]["TOKEN_IDS"] == first[-1]["TOKEN_IDS"]
+    text = server.metrics_text()
+    assert metric(text, "cagflow_answer_cache_hits_total", "cag_llm_stream") >= 1
+    assert metric(text, "cagflow_evicted_in_use_bytes", "cag_llm") >= 0
 
 
 @pytest.mark.real_model

@@ -2,8 +2,10 @@
 quarantine of corrupt snapshots, single-flight loads and atomic release switches."""
 
 import json
+import os
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -12,7 +14,7 @@ from cagflow.documents import parse_file
 from cagflow.engine import Engine
 from cagflow.manifest import Release
 from cagflow.resident import (HeatLog, NoActiveRelease, ReleaseMismatch, ResidentListener, ResidentSet,
-                              SnapshotQuarantined, UnknownSnapshot)
+                              SnapshotQuarantined, UnknownSnapshot, prune_heat)
 from cagflow.stores import LocalStore, StoreUnavailable
 
 
@@ -54,6 +56,9 @@ class Recorder(ResidentListener):
 
     def on_resident(self, states, nbytes):
         self.resident = (states, nbytes)
+
+    def on_evicted_in_use(self, nbytes):
+        self.evicted_in_use = nbytes
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +134,29 @@ def test_lru_by_bytes_and_oversized_snapshots(published):
     assert served.snapshot.n_tokens > 0 and tiny_budget.state().keys == []
 
 
+def test_evicted_snapshots_still_in_use_count_toward_the_byte_budget(published):
+    engine, store, release = published
+    a, b, c, _ = keys(release)
+    sizes = {key: resident_set(engine, store, release).acquire(key).snapshot.nbytes for key in (a, b, c)}
+    recorder = Recorder()
+    resident = resident_set(engine, store, release, max_bytes=sizes[a] + sizes[b], listener=recorder)
+    held = resident.acquire(a)  # a request still answering from a
+    resident.acquire(b)  # finished at once
+    resident.acquire(c)  # evicts a (still in memory), so b must go too to stay within the budget
+    state = resident.state()
+    assert state.keys == [c] and state.evicted_in_use_bytes == sizes[a] == recorder.evicted_in_use
+    del held  # the request finished: a's memory is released and no longer counted
+    assert resident.state().evicted_in_use_bytes == 0 == recorder.evicted_in_use
+
+    switched = resident_set(engine, store, release)
+    in_flight = switched.acquire(a)
+    other = release.model_copy(update={"release_id": "other", "snapshots": release.snapshots[1:]})
+    switched.activate(other)  # a is dropped while a request holds it
+    assert switched.state().evicted_in_use_bytes == sizes[a]
+    del in_flight
+    assert switched.state().evicted_in_use_bytes == 0
+
+
 def test_unknown_key_and_no_release(published):
     engine, store, release = published
     resident = ResidentSet(store, engine.fingerprint, 2, 1 << 30)
@@ -165,6 +193,25 @@ def test_preload_follows_heat_kept_in_the_store_across_restarts(published):
     second_life.record(b)
     second_life.flush()
     assert json.loads(store.get("heat/replica-1.json"))["counts"] == {c: 5, d: 3, a: 1, b: 1}
+
+
+def test_heat_of_replicas_gone_quiet_is_ignored_and_pruned(published):
+    engine, store, release = published
+    a, b, _, _ = keys(release)
+    for replica, key in (("gone", a), ("live", b)):
+        log = HeatLog(store, replica)
+        log.record(key)
+        log.flush()
+    month_ago = time.time() - 30 * 86400
+    os.utime(store.root / "heat/gone.json", (month_ago, month_ago))
+
+    fresh = HeatLog(store, "new", stale_after_days=14)
+    fresh.load()
+    assert fresh.counts() == {b: 1}
+    assert prune_heat(store, 14, dry_run=True) == ["heat/gone.json"]
+    assert store.exists_verified("heat/gone.json")
+    assert prune_heat(store, 14) == ["heat/gone.json"]
+    assert [info.name for info in store.list("heat/")] == ["heat/live.json"]
 
 
 def test_preload_never_evicts_and_respects_the_byte_budget(published):

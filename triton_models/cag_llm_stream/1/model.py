@@ -2,7 +2,6 @@
 then sends the final record; ``ACTION=reload`` switches releases. The logic lives in ``cagflow.triton_backend``."""
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 
 import triton_python_backend_utils as pb_utils
@@ -14,12 +13,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.settings = tb.ServingSettings.from_triton(args)
-        tb.configure_logging(self.settings.instance_name)
-        self.metrics = tb.TritonMetrics(pb_utils, self.settings.model_name, self.settings.instance_name)
-        self.service = tb.CagService.start(self.settings, listener=self.metrics)
-        self.pool = ThreadPoolExecutor(self.settings.worker_threads, thread_name_prefix="cag_llm_stream")
-        self.metrics.publish()
+        self.serving = tb.Serving.start(pb_utils, args)
 
     async def execute(self, requests):
         """Decoupled: every request streams on its own; Triton runs the next execute meanwhile."""
@@ -32,12 +26,13 @@ class TritonPythonModel:
         try:
             if tb.read_action(pb_utils, request) == "reload":
                 release_id = tb.input_text(pb_utils, request, "RELEASE_ID") or None
-                result = await tb.in_thread(self.pool, self.service.reload, release_id)
+                result = await tb.in_thread(self.serving.pool, self.serving.service.reload, release_id)
                 sender.send(pb_utils.InferenceResponse(output_tensors=tb.reload_outputs(pb_utils, result)), flags=FINAL)
                 return
             question = tb.read_answer_request(pb_utils, request)
             request_id = question.request_id
-            async with aclosing(tb.iterate_in_thread(self.pool, lambda: self.service.stream(question))) as items:
+            stream = tb.iterate_in_thread(self.serving.pool, lambda: self.serving.service.stream(question))
+            async with aclosing(stream) as items:
                 async for item in items:
                     if sender.is_cancelled():
                         sender.send(flags=FINAL)
@@ -50,9 +45,7 @@ class TritonPythonModel:
         except Exception as exc:
             sender.send(tb.error_response(pb_utils, exc, request_id), flags=FINAL)
         finally:
-            self.metrics.publish()
+            self.serving.metrics.publish()
 
     def finalize(self):
-        self.pool.shutdown(wait=True)
-        self.service.close()
-        self.metrics.close()
+        self.serving.close()
