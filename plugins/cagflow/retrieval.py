@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from opensearchpy import OpenSearch
 from opensearchpy.exceptions import ConnectionError as TransportConnectionError
@@ -452,6 +452,24 @@ class ChunkIndex:
         response = self._call("count", self._client.count, index=self.alias, body=body)
         return int(response["count"])
 
+    def scan(self, tier: str | None = None, page_size: int = 500) -> Iterator[Chunk]:
+        """Every chunk with its embedding, paged with ``search_after`` on ``chunk_id`` (no scroll context
+        to leak)."""
+        body: dict[str, Any] = {
+            "size": page_size, "query": {"bool": {"filter": filter_clauses(tier)}}, "sort": [{"chunk_id": "asc"}],
+            "_source": [*_SOURCE_FIELDS, "embedding"],
+        }
+        while True:
+            hits = self._call("scan", self._client.search, index=self.alias, body=body)["hits"]["hits"]
+            for raw in hits:
+                source = raw["_source"]
+                yield Chunk(source["chunk_id"], source["doc_id"], source["text"], source["tier"],
+                            source.get("version", ""), source.get("title", ""), source.get("section", ""),
+                            embedding=source["embedding"])
+            if len(hits) < page_size:
+                return
+            body["search_after"] = hits[-1]["sort"]
+
     # --- search
 
     def search(
@@ -463,7 +481,9 @@ class ChunkIndex:
         tier: str | None = None,
         doc_id: str | None = None,
         fusion: Fusion | str | None = None,
+        vector: Sequence[float] | None = None,
     ) -> list[SearchHit]:
+        """Best ``top_k`` chunks; ``vector`` is the query's embedding when the caller already has it."""
         if not query.strip():
             raise ValueError("query must not be empty")
         mode = SearchMode(mode)
@@ -472,7 +492,8 @@ class ChunkIndex:
         filters = filter_clauses(tier, doc_id)
         if mode is SearchMode.BM25:
             return self._run_search({"size": top_k, "query": bm25_query(query, filters)})
-        vector = self.embedder.encode_one(query)
+        if vector is None:
+            vector = self.embedder.encode_one(query)
         if mode is SearchMode.VECTOR:
             return self._run_search({"size": top_k, "query": knn_query(vector, top_k, filters)})
         depth = max(self.candidates, top_k)

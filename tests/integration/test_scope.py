@@ -1,0 +1,142 @@
+"""In-scope detection over chunk vectors read back from a real OpenSearch node, and its calibration."""
+
+import uuid
+
+import numpy as np
+import pytest
+
+from cagflow.embeddings import get_embedder
+from cagflow.qa import QAItem
+from cagflow.retrieval import Chunk, ChunkIndex
+from cagflow.scope import NO_MATCH_SCORE, ScopeDetector, ScopeMatch, calibrate, evaluate
+
+CHUNKS = [
+    Chunk("leave-1", "hr-handbook", "Full-time employees receive 25 days of paid annual leave per calendar year.",
+          tier="fixed", version="3", title="HR handbook", section="Leave"),
+    Chunk("leave-2", "hr-handbook", "Sick leave requires a medical certificate from the third day of absence.",
+          tier="fixed", version="3", title="HR handbook", section="Sickness"),
+    Chunk("vpn-1", "it-guide", "To connect to the corporate VPN, install the WireGuard client and import the "
+          "configuration file from the IT portal.", tier="fixed", version="7", title="IT guide", section="VPN"),
+    Chunk("vpn-2", "it-guide", "Passwords must be rotated every 90 days and contain at least 14 characters.",
+          tier="fixed", version="7", title="IT guide", section="Accounts"),
+    Chunk("menu-1", "canteen-menu", "This week the canteen serves vegetable lasagna on Monday and grilled salmon "
+          "on Friday.", tier="variable", version="w49", title="Canteen menu", section="This week"),
+    Chunk("status-1", "service-status", "The payroll system is down for maintenance on Saturday from 08:00 to "
+          "12:00 UTC.", tier="variable", version="12-02", title="Service status", section="Maintenance"),
+]
+THRESHOLD = 0.3
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return get_embedder()
+
+
+@pytest.fixture(scope="module")
+def index(opensearch_url, embedder):
+    with ChunkIndex(opensearch_url, f"it-scope-{uuid.uuid4().hex[:8]}", timeout_s=30, embedder=embedder) as index:
+        index.ensure_index()
+        index.upsert(CHUNKS)
+        yield index
+
+
+@pytest.fixture
+def detector(index):
+    detector = ScopeDetector(index, THRESHOLD)
+    detector.refresh()
+    return detector
+
+
+@pytest.mark.integration
+def test_scan_pages_through_every_chunk_with_its_vector(index, embedder):
+    scanned = list(index.scan(page_size=4))  # two pages, the second one short
+    assert sorted(chunk.chunk_id for chunk in scanned) == sorted(chunk.chunk_id for chunk in CHUNKS)
+    vpn = next(chunk for chunk in scanned if chunk.chunk_id == "vpn-1")
+    assert np.allclose(vpn.embedding, embedder.encode_one(CHUNKS[2].text), atol=1e-5)
+    fixed = {chunk.chunk_id for chunk in index.scan(tier="fixed", page_size=2)}
+    assert fixed == {"leave-1", "leave-2", "vpn-1", "vpn-2"}
+
+
+@pytest.mark.integration
+def test_refresh_holds_the_fixed_chunks(detector):
+    assert detector.size == 4 and detector.doc_ids == {"hr-handbook", "it-guide"}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("question, doc_id", [
+    ("How many days of annual leave do full-time employees get?", "hr-handbook"),
+    ("How do I set up the VPN on my laptop?", "it-guide"),
+])
+def test_questions_about_fixed_documents_are_in_scope(detector, embedder, question, doc_id):
+    match = detector.match(embedder.encode_one(question))
+    assert match.in_scope and match.doc_id == doc_id and match.score > match.other_score
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("question", ["What food does the canteen serve this week?",
+                                      "When is the payroll system offline for maintenance?"])
+def test_a_closer_variable_chunk_keeps_a_question_out_of_scope(detector, embedder, question):
+    match = detector.match(embedder.encode_one(question))
+    assert not match.in_scope and match.other_score > match.score
+
+
+@pytest.mark.integration
+def test_an_unrelated_question_is_out_of_scope(detector, embedder):
+    match = detector.match(embedder.encode_one("Who won the football world cup in 2018?"))
+    assert not match.in_scope and match.score < THRESHOLD
+
+
+@pytest.mark.integration
+def test_only_documents_of_the_release_are_cacheable(index, embedder):
+    detector = ScopeDetector(index, THRESHOLD)
+    assert detector.refresh(doc_ids=["it-guide"]) == 2
+    leave = detector.match(embedder.encode_one("How many days of annual leave do full-time employees get?"))
+    assert not leave.in_scope and leave.doc_id == "it-guide"  # the handbook's own chunks now outscore it
+    assert detector.match(embedder.encode_one("How do I set up the VPN on my laptop?")).in_scope
+
+
+@pytest.mark.integration
+def test_the_question_vector_can_be_reused_for_search(index, embedder):
+    question = "How do I set up the VPN on my laptop?"
+    vector = embedder.encode_one(question)
+    assert index.search(question, vector=vector) == index.search(question)
+
+
+@pytest.mark.integration
+def test_an_empty_index_matches_nothing(opensearch_url, embedder):
+    with ChunkIndex(opensearch_url, f"it-scope-empty-{uuid.uuid4().hex[:8]}", timeout_s=30, embedder=embedder) as empty:
+        empty.ensure_index()
+        detector = ScopeDetector(empty, THRESHOLD)
+        assert detector.refresh() == 0
+        assert detector.match(embedder.encode_one("anything")) == ScopeMatch(None, NO_MATCH_SCORE, False)
+
+
+# --- calibration (pure)
+
+
+def labelled(in_scope: bool, doc_id: str | None) -> QAItem:
+    return QAItem(id=uuid.uuid4().hex, question="q", reference_answer="a", keywords=(), in_scope=in_scope,
+                  doc_id=doc_id)
+
+
+def test_calibration_takes_the_highest_recall_that_keeps_precision():
+    records = [labelled(True, "a"), labelled(True, "a"), labelled(True, "b"), labelled(False, None),
+               labelled(True, "b"), labelled(False, "news")]
+    matches = [ScopeMatch("a", 0.9, False), ScopeMatch("a", 0.8, False), ScopeMatch("a", 0.7, False),
+               ScopeMatch("b", 0.6, False), ScopeMatch("b", 0.5, False),
+               ScopeMatch("a", 0.95, False, other_score=0.97)]
+    calibration = calibrate(records, matches)
+    assert calibration.threshold == 0.65 and calibration.rule.startswith("highest recall")
+    assert (calibration.chosen.precision, calibration.chosen.recall, calibration.chosen.routed_to_cache) == (1.0, 0.75, 3)
+    assert calibration.chosen.doc_accuracy == pytest.approx(2 / 3)  # the third is routed to the wrong document
+    everything = evaluate(records, matches, 0.0)
+    assert everything.routed_to_cache == 5 and everything.precision == 0.8  # 0.95 lost to a closer variable chunk
+
+
+def test_calibration_falls_back_to_the_best_f1():
+    records = [labelled(False, None), labelled(True, "a"), labelled(False, None), labelled(True, "a")]
+    matches = [ScopeMatch("a", 0.9, False), ScopeMatch("a", 0.8, False), ScopeMatch("a", 0.7, False),
+               ScopeMatch("a", 0.6, False)]
+    calibration = calibrate(records, matches)
+    assert calibration.rule.startswith("best F1") and calibration.threshold == 0.599
+    assert calibration.chosen.recall == 1.0 and calibration.chosen.precision == 0.5
