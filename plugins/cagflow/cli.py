@@ -1,4 +1,4 @@
-"""The ``cagflow`` command: precompute snapshots, ask questions, manage releases, run the demo."""
+"""The ``cagflow`` command: precompute snapshots, serve and ask the API, manage API keys and releases, run the demo."""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def _pick_document(config: Config, question: str) -> str:
     return fixed[best_part(question, texts)].doc_id
 
 
-def cmd_ask(args: argparse.Namespace, config: Config) -> int:
+def cmd_ask_local(args: argparse.Namespace, config: Config) -> int:
+    """In this process, without the API: the snapshot of one fixed document, or the full prompt."""
     from .catalog import snapshot_for_question
     from .manifest import load_release
 
@@ -91,6 +92,115 @@ def cmd_ask(args: argparse.Namespace, config: Config) -> int:
         print(answer.text)
         print(f"[{answer.route} · {doc_id} · {answer.reused_tokens}/{answer.prompt_tokens} prompt tokens reused · "
               f"TTFT {answer.ttft_s * 1000:.0f} ms · total {answer.total_s * 1000:.0f} ms]", file=sys.stderr)
+    return 0
+
+
+def _explain_api_error(error) -> str:
+    """One line that says what to do about a failed API call."""
+    from . import apikeys
+
+    if error.code in ("unreachable", "timeout"):
+        return f"{error.message}; start the API with `make run` or `cagflow serve` (or point --url at it)"
+    if error.status == 401:
+        return (f"{error}; the key comes from $CAGFLOW_API_KEY (or $CAGFLOW_API_KEY_FILE), else from "
+                f"{apikeys.CREDENTIALS_FILE} (`cagflow keys init-local` writes it)")
+    return str(error)
+
+
+def _route_line(record: dict) -> str:
+    timings = record.get("timings_ms") or {}
+    source = (record.get("snapshot") or {}).get("doc_id") or ", ".join(
+        sorted({citation["doc_id"] for citation in record.get("citations", [])})) or "no document"
+    parts = [record.get("route", "?"), source, "cache hit" if record.get("cache_hit") else "no cache hit"]
+    if record.get("fallback_reason"):
+        parts.append(f"fallback: {record['fallback_reason']}")
+    parts += [f"{name} {timings[name]:.0f} ms" for name in ("ttft", "total") if timings.get(name) is not None]
+    parts.append(f"request {record.get('request_id')}")
+    return f"[{' · '.join(parts)}]"
+
+
+def _print_stream(events, as_json: bool) -> dict:
+    """Print tokens as they arrive (or every event as a JSON line); returns the final answer record. The
+    line of tokens is ended even when the stream fails, so an error message starts on a line of its own."""
+    record: dict = {}
+    printed_tokens = False
+    try:
+        for event in events:
+            if as_json:
+                print(json.dumps(event, ensure_ascii=False), flush=True)
+            elif event["event"] == "token":
+                print(event["data"]["text"], end="", flush=True)
+                printed_tokens = True
+            if event["event"] == "answer":
+                record = event["data"]
+    finally:
+        if printed_tokens:
+            print()
+    return record
+
+
+def cmd_ask(args: argparse.Namespace, config: Config) -> int:
+    """Ask the running API (``--local``: answer in this process instead)."""
+    from .api_client import ApiClient, ApiError, default_base_url
+    from .apikeys import read_local_credentials
+
+    if args.local:
+        if args.url or args.top_k or args.stream:
+            raise ValueError("--url, --top-k and --stream are for the API; leave them out with --local")
+        return cmd_ask_local(args, config)
+    if args.no_cache or args.store:
+        raise ValueError("--no-cache and --store only apply with --local")
+    url = args.url or default_base_url(config.service)
+    credentials = read_local_credentials()
+    options = {"doc_id": args.doc_id, "top_k": args.top_k, "max_new_tokens": args.max_new_tokens}
+    try:
+        with ApiClient(url, credentials.api_key if credentials else None,
+                       timeout_s=config.service.triton_timeout_s) as client:
+            if not args.stream:
+                record = client.query(args.question, **options)
+                print(json.dumps(record, indent=2, ensure_ascii=False) if args.json else record.get("answer", ""))
+            else:
+                record = _print_stream(client.stream(args.question, **options), args.json)
+    except ApiError as error:
+        raise ValueError(_explain_api_error(error)) from None
+    if not args.json and record:
+        print(_route_line(record), file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace, config: Config) -> int:
+    from .router import run_server
+
+    run_server(config, args.host, args.port)
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace, config: Config) -> int:
+    from .apikeys import CREDENTIALS_FILE, ApiKeyStore, ensure_local_keys
+
+    store = ApiKeyStore(config.service.api_keys_file)
+    if args.action == "create":
+        record, plaintext = store.create(args.name, admin=args.admin)
+        print(plaintext)
+        print(f"created {'admin ' if record.admin else ''}key {record.key_id} ({record.name}) in {store.path}; "
+              "the key is shown only now", file=sys.stderr)
+    elif args.action == "list":
+        keys = store.list()
+        if not keys:
+            print(f"no API keys in {store.path}; create one with `cagflow keys create --name NAME` "
+                  "or `cagflow keys init-local`", file=sys.stderr)
+        for key in keys:
+            print(f"{key.key_id}  {'admin' if key.admin else 'user ':<5}  {key.created:<20}  {key.name}")
+    elif args.action == "revoke":
+        record = store.revoke(args.key_id)
+        print(f"revoked key {record.key_id} ({record.name})")
+    else:
+        credentials = ensure_local_keys(config)
+        if credentials is None:
+            print(f"local API keys already exist: {CREDENTIALS_FILE} (hashes in {store.path})")
+        else:
+            print(f"user key:  {credentials.api_key}\nadmin key: {credentials.admin_key}\n"
+                  f"saved for `cagflow ask` in {CREDENTIALS_FILE} (mode 0600); hashes in {store.path}")
     return 0
 
 
@@ -145,7 +255,8 @@ def cmd_service(args: argparse.Namespace, config: Config) -> int:
 
     if args.action == "up":
         state = background.up(args.service, SERVICES[args.service](config))
-        print(f"{args.service} is up at {state.url} (pid {state.pid}, log {state.log})")
+        print(f"{args.service} is up at {state.url} (pid {state.pid}, log {state.log}); "
+              f"stop with: cagflow {args.service} down")
     elif args.action == "down":
         print(f"{args.service} stopped" if background.down(args.service) else f"{args.service} was not running")
     else:
@@ -156,7 +267,9 @@ def cmd_service(args: argparse.Namespace, config: Config) -> int:
 
 
 DELEGATED = {"triton": ("cagflow.services.triton", "start, stop or check a local Triton server (up|down|status)"),
-             "airflow": ("cagflow.services.airflow", "run Airflow locally (up|down|status|trigger DAG)")}
+             "airflow": ("cagflow.services.airflow", "run Airflow locally (up|down|status|trigger DAG)"),
+             "router": ("cagflow.services.router",
+                        "start, stop or check the local REST router in the background (up|down|status)")}
 
 
 def _run_delegated(argv: list[str]) -> int | None:
@@ -176,11 +289,21 @@ def _run_delegated(argv: list[str]) -> int | None:
 
 
 def cmd_bench(args: argparse.Namespace, config: Config) -> int:
-    from .benchmarks import print_retrieval_table, retrieval_recall, save_report
+    from . import benchmarks
+    from .retrieval import RetrievalUnavailable
 
-    report = retrieval_recall(config, Path(config.corpus.manifest).parent / "qa.jsonl")
-    print_retrieval_table(report)
-    saved = save_report("retrieval", report)
+    if args.which == "engine":
+        from .engine_bench import main as run_engine_bench
+
+        return run_engine_bench(config, args)
+    measure, show = {"retrieval": (benchmarks.retrieval_recall, benchmarks.print_retrieval_table),
+                     "routing": (benchmarks.routing_calibration, benchmarks.print_routing_table)}[args.which]
+    try:
+        report = measure(config, Path(config.corpus.manifest).parent / "qa.jsonl")
+    except RetrievalUnavailable as exc:
+        raise ValueError(f"{exc}; start one with `cagflow opensearch up` (or set retrieval.endpoint)") from None
+    show(report)
+    saved = benchmarks.save_report(args.which, report)
     if saved:
         print(f"saved {saved}")
     return 0
@@ -189,7 +312,7 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
 def cmd_demo(args: argparse.Namespace, config: Config) -> int:
     from .demo import run_demo
 
-    return run_demo(config, args.questions, args.max_new_tokens)
+    return run_demo(config, args.questions, args.max_new_tokens, local=args.local)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,14 +328,36 @@ def build_parser() -> argparse.ArgumentParser:
     precompute.add_argument("--quiet", action="store_true", help="no progress bar")
     precompute.set_defaults(run=cmd_precompute)
 
-    ask = commands.add_parser("ask", help="answer a question from a fixed document's snapshot")
+    ask = commands.add_parser("ask", help="ask the running REST API a question (--local: answer in this process)")
     ask.add_argument("question")
-    ask.add_argument("--doc-id", help="document to answer from (default: best word match)")
-    ask.add_argument("--no-cache", action="store_true", help="prefill the whole prompt instead of reusing the snapshot")
-    ask.add_argument("--json", action="store_true", help="print the whole answer record as JSON")
+    ask.add_argument("--url", help="the API (default: http://service.host:service.port)")
+    ask.add_argument("--doc-id", help="answer from this fixed document (default: the API routes the question)")
+    ask.add_argument("--top-k", type=int, help="passages when the answer comes from retrieval")
     ask.add_argument("--max-new-tokens", type=int)
-    ask.add_argument("--store")
+    ask.add_argument("--stream", action="store_true", help="print the answer's tokens as they arrive")
+    ask.add_argument("--json", action="store_true",
+                     help="print the whole answer record (with --stream: each event) as JSON")
+    ask.add_argument("--local", action="store_true",
+                     help="no API: load the model here and answer from a snapshot (default: best word match)")
+    ask.add_argument("--no-cache", action="store_true", help="with --local: prefill the whole prompt instead")
+    ask.add_argument("--store", help="with --local: file:///dir or s3://bucket/prefix (default: cache.state_store)")
     ask.set_defaults(run=cmd_ask)
+
+    serve = commands.add_parser("serve", help="run the REST API in the foreground (production server)")
+    serve.add_argument("--host", help="default: service.host")
+    serve.add_argument("--port", type=int, help="default: service.port")
+    serve.set_defaults(run=cmd_serve)
+
+    keys = commands.add_parser("keys", help="API keys: create, list, revoke, or issue local ones")
+    key_actions = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = key_actions.add_parser("create", help="issue a key and print it (once)")
+    create.add_argument("--name", required=True, help="who or what uses the key")
+    create.add_argument("--admin", action="store_true", help="may also call /admin endpoints")
+    key_actions.add_parser("list", help="key ids, names, roles and creation times (never the keys)")
+    revoke = key_actions.add_parser("revoke", help="delete a key; requests with it fail at once")
+    revoke.add_argument("key_id")
+    key_actions.add_parser("init-local", help="issue a local user and admin key for `cagflow ask`, unless they exist")
+    keys.set_defaults(run=cmd_keys)
 
     releases = commands.add_parser("releases", help="list releases, or activate one (rollback)")
     releases.add_argument("--activate", metavar="RELEASE_ID")
@@ -226,7 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(run=cmd_config)
 
     bench = commands.add_parser("bench", help="benchmarks (reported, never asserted)")
-    bench.add_argument("which", choices=("retrieval",), help="retrieval: recall@k of BM25, vector and hybrid search")
+    bench.add_argument("which", choices=("retrieval", "routing", "engine"),
+                       help="retrieval: recall@k of BM25, vector and hybrid search; routing: in-scope detection "
+                            "per threshold and its calibration; engine: answer speed from a resident snapshot")
+    engine = bench.add_argument_group("options of `bench engine`")
+    engine.add_argument("--model", default="smollm2-135m", help="a model preset or path (default smollm2-135m)")
+    engine.add_argument("--runs", type=int, default=3, help="short runs per cell; the median is reported")
+    engine.add_argument("--baseline", action="store_true",
+                        help="also time the transformers DynamicCache path (the path before shared-prefix decoding)")
     bench.set_defaults(run=cmd_bench)
 
     for service in SERVICES:
@@ -237,7 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (_, summary) in DELEGATED.items():
         commands.add_parser(name, help=summary)  # listed in --help; run by _run_delegated
 
-    demo = commands.add_parser("demo", help="precompute the sample corpus, answer sample questions both ways")
+    demo = commands.add_parser("demo", help="ask sample questions through the REST API "
+                                            "(--local: compare cache and full prompt in-process)")
+    demo.add_argument("--local", action="store_true",
+                      help="no server: answer in this process from each snapshot and from the full prompt, and compare")
     demo.add_argument("--questions", type=int, default=5, help="how many sample questions (default 5)")
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.set_defaults(run=cmd_demo)
@@ -245,6 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    delegated = _run_delegated(argv)  # before the imports below, which load torch: service commands start fast
+    if delegated is not None:
+        return delegated
+
+    from .apikeys import ApiKeyError
     from .catalog import SnapshotUnusable
     from .documents import DocumentError
     from .engine import SnapshotMismatch
@@ -254,13 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     from .services.background import ServiceError
     from .stores import StoreError
 
-    argv = sys.argv[1:] if argv is None else argv
-    delegated = _run_delegated(argv)
-    if delegated is not None:
-        return delegated
     args = build_parser().parse_args(argv)
-    expected = (ConfigError, ManifestError, DocumentError, PromptError, StoreError, ModelError, SnapshotUnusable,
-                SnapshotMismatch, ServiceError, ValueError, OSError)
+    expected = (ConfigError, ApiKeyError, ManifestError, DocumentError, PromptError, StoreError, ModelError,
+                SnapshotUnusable, SnapshotMismatch, ServiceError, ValueError, OSError)
     try:
         config = load_config(args.config)
         return args.run(args, config)

@@ -34,14 +34,17 @@ class ServiceConfig(_Section):
     port: int = Field(8080, ge=1, le=65535)
     max_concurrent_requests: int = Field(8, ge=1)  # beyond this, requests are refused (503), never queued
     triton_url: str = "127.0.0.1:8000"  # host:port of Triton's HTTP endpoint
+    triton_grpc_url: str = "127.0.0.1:8001"  # host:port of Triton's gRPC endpoint: streamed answers
+    triton_metrics_url: str | None = "http://127.0.0.1:8002/metrics"  # resident snapshots for /readyz; None: skip
     triton_timeout_s: float = Field(120.0, gt=0)
     retries: int = Field(1, ge=0, le=5)  # extra attempts on connection errors to Triton and OpenSearch
-    in_scope_threshold: float = Field(0.5, ge=-1.0, le=1.0)  # cosine similarity to a fixed chunk: cache route
+    in_scope_threshold: float = Field(0.355, ge=-1.0, le=1.0)  # see cagflow.scope; `cagflow bench routing`
     api_keys_file: str = str(CACHE_HOME / "api-keys.json")  # hashed keys only, never the keys themselves
     rate_limit_per_s: float = Field(5.0, gt=0)  # per API key, token bucket refill
     rate_limit_burst: int = Field(20, ge=1)
     max_body_bytes: int = Field(16384, ge=256)
     max_question_chars: int = Field(2000, ge=1)
+    release_poll_s: float = Field(30.0, ge=0)  # how often to re-read the store's current release; 0 = only on reload
 
 
 class S3Config(_Section):

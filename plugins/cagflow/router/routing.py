@@ -1,0 +1,432 @@
+"""Choosing a route for each question and answering it through Triton.
+
+1. ``doc_id`` given and in the active release: the cache route with that document's snapshot.
+2. ``doc_id`` given but not in the release (a variable document, or one not precomputed): retrieval
+   restricted to that document; 404 when the index holds nothing of it.
+3. Otherwise the question is embedded once and matched against the fixed documents' chunks in memory;
+   a best cosine similarity of at least ``service.in_scope_threshold``, with no chunk of another document
+   closer, takes the cache route with the matching document's snapshot; anything else goes to hybrid
+   retrieval (the same vector feeds the k-NN half of the search).
+
+When the cache route fails (snapshot not in Triton's release, unreadable or corrupt, Triton error) and
+``retrieval.fallback_enabled``, the question is answered by retrieval and ``fallback_reason`` says why.
+The active release is re-read from the store every ``service.release_poll_s`` and on ``reload``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..config import Config
+from ..embeddings import Embedder, get_embedder
+from ..manifest import CURRENT_POINTER, Release, activate_release, list_releases, load_release
+from ..retrieval import ChunkIndex, RetrievalError, RetrievalUnavailable, SearchHit
+from ..scope import ScopeDetector
+from ..stores import NotFound, SnapshotStore, StoreError, open_store
+from . import metrics
+from .access import ApiError, Query
+from .triton_client import TritonClient, TritonRejected, TritonUnavailable
+
+log = logging.getLogger("cagflow.router")
+QUESTION_VECTORS = 4096  # question embeddings remembered (1.5 KB each)
+
+
+@dataclass
+class Plan:
+    """Where one question goes, and why; ``vector`` is computed at most once per request."""
+
+    route: str  # "cache" | "retrieval"
+    reason: str  # "doc_id" | "in_scope" | "out_of_scope" | "doc_not_in_release"
+    doc_id: str | None  # the snapshot's document (cache) or the only document searched (retrieval)
+    scope_score: float | None = None
+    vector: np.ndarray | None = None
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+def fallback_reason(error: Exception) -> str:
+    """Why the cache route failed, in the words clients and dashboards see."""
+    if isinstance(error, TritonUnavailable):
+        return "triton_unavailable"
+    message = getattr(error, "message", str(error)).lower()
+    if "corrupt" in message:
+        return "snapshot_corrupt"
+    if isinstance(error, TritonRejected) and (error.status in (404, 503) or "not in release" in message
+                                              or "no snapshot" in message or "quarantined" in message):
+        return "snapshot_unavailable"
+    return "triton_error"
+
+
+def _milliseconds(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 2)
+
+
+def _passages(hits: list[SearchHit]) -> str:
+    return json.dumps([{"text": hit.text, "title": hit.title, "section": hit.section} for hit in hits])
+
+
+def _citations(hits: list[SearchHit]) -> list[dict[str, Any]]:
+    return [{"doc_id": hit.doc_id, "chunk_id": hit.chunk_id, "title": hit.title, "section": hit.section,
+             "score": round(hit.score, 4)} for hit in hits]
+
+
+def triton_failure(error: TritonUnavailable | TritonRejected) -> ApiError:
+    """A Triton failure on the answering path as the client's error."""
+    if isinstance(error, TritonUnavailable):
+        return ApiError(503, "triton_unavailable", str(error), {"Retry-After": "5"})
+    if error.status == 400:
+        return ApiError(400, "invalid_request", error.message)
+    return ApiError(502, "triton_error", error.message)
+
+
+class Router:
+    """The routing state of one process: release view, scope detector, Triton and OpenSearch clients."""
+
+    def __init__(self, config: Config, triton: TritonClient, index: ChunkIndex, scope: ScopeDetector,
+                 store: SnapshotStore, embedder: Embedder):
+        self.config = config
+        self.triton = triton
+        self.index = index
+        self.scope = scope
+        self.store = store
+        self.embedder = embedder
+        self._release: Release | None = None
+        self._scope_release_id: str | None = None
+        # Support questions repeat: a repeated question skips the embedder (the largest cost of routing).
+        self._question_vector = functools.lru_cache(maxsize=QUESTION_VECTORS)(embedder.encode_one)
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+
+    @classmethod
+    def from_config(cls, config: Config) -> "Router":
+        service, retrieval = config.service, config.retrieval
+        embedder = get_embedder()
+        triton = TritonClient(service.triton_url, service.triton_grpc_url, service.triton_timeout_s,
+                              service.retries, pool_size=service.max_concurrent_requests + 4,
+                              metrics_url=service.triton_metrics_url)
+        index = ChunkIndex(retrieval.endpoint, retrieval.index, top_k=retrieval.top_k, timeout_s=retrieval.timeout_s,
+                           max_retries=service.retries, embedder=embedder)
+        scope = ScopeDetector(index, service.in_scope_threshold)
+        return cls(config, triton, index, scope, open_store(config.cache.state_store, config.cache.s3), embedder)
+
+    # ---- lifecycle and releases ------------------------------------------------------------------------
+
+    def start(self) -> "Router":
+        """Load the embedder, the release and the fixed chunks; follow the release pointer from then on.
+
+        A dependency that is down does not stop the start: readiness reports it and the poll retries.
+        """
+        self.embedder.encode_one("warm up")
+        self.refresh(force=True)
+        if self.config.service.release_poll_s > 0:
+            self._poller = threading.Thread(target=self._poll, name="cagflow-router-release-poll", daemon=True)
+            self._poller.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(timeout=5)
+        self.triton.close()
+        self.index.close()
+
+    def _timed_store(self, call, *args):
+        started = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            metrics.BACKEND_SECONDS.labels("store").observe(time.perf_counter() - started)
+
+    def refresh(self, force: bool = False, rescan_scope: bool = False) -> Release | None:
+        """Re-read the store's current release when its pointer moved (or ``force``), and reload the
+        chunk vectors for scope detection when the release changed (or ``rescan_scope``: variable
+        documents change with every ingest). Failures keep the previous state and are logged."""
+        try:
+            pointer = json.loads(self._timed_store(self.store.get, CURRENT_POINTER))["release_id"]
+            if force or self._release is None or pointer != self._release.release_id:
+                self._release = self._timed_store(load_release, self.store, None)
+                metrics.RELEASE_SNAPSHOTS.set(len(self._release.snapshots))
+                log.info("release %s: %d snapshots of %d documents", self._release.release_id,
+                         len(self._release.snapshots), len(self._release.doc_ids))
+        except NotFound:
+            log.warning("no release published in %s: every question goes to retrieval", self.store.url)
+        except (StoreError, ValueError, KeyError) as exc:
+            log.warning("release refresh failed, keeping release %s: %s",
+                        self._release.release_id if self._release else None, exc)
+        release = self._release
+        if release is not None and (rescan_scope or self._scope_release_id != release.release_id):
+            try:
+                chunks = self.scope.refresh(release.doc_ids)
+                self._scope_release_id = release.release_id
+                log.info("scope detection: %d fixed chunks of release %s", chunks, release.release_id)
+            except RetrievalError as exc:
+                log.warning("scope detection not refreshed: %s", exc)
+        return release
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.config.service.release_poll_s):
+            self.refresh(rescan_scope=True)
+
+    def releases(self) -> dict[str, Any]:
+        try:
+            names = self._timed_store(list_releases, self.store)
+        except StoreError as exc:
+            raise ApiError(503, "store_unavailable", f"snapshot store unreachable: {exc}") from None
+        active = self.refresh()
+        return {"active": active.release_id if active else None, "releases": names,
+                "documents": active.doc_ids if active else [],
+                "snapshots": [{"key": entry.key, "doc_id": entry.doc_id, "doc_version": entry.doc_version,
+                               "n_tokens": entry.n_tokens} for entry in active.snapshots] if active else []}
+
+    def reload(self, release_id: str | None) -> dict[str, Any]:
+        """Activate ``release_id`` in the store first when given (rollback), then switch Triton and the router."""
+        if release_id is not None:
+            try:
+                self._timed_store(activate_release, self.store, release_id)
+            except NotFound:
+                raise ApiError(404, "unknown_release", f"release {release_id!r} is not in the store") from None
+            except StoreError as exc:
+                raise ApiError(503, "store_unavailable", f"snapshot store unreachable: {exc}") from None
+        try:
+            result = self.triton.reload(release_id)
+        except (TritonUnavailable, TritonRejected) as exc:
+            raise triton_failure(exc) from None
+        release = self.refresh(force=True)
+        return {"release_id": release.release_id if release else None,
+                "triton": json.loads(result.get("STATUS") or "{}")}
+
+    # ---- readiness ----------------------------------------------------------------------------------
+
+    def readiness(self) -> dict[str, Any]:
+        """``ready``: every kind of question can be answered (Triton's model and OpenSearch answer).
+        ``degraded``: serving, but with less than it should (no release, store unreachable, snapshots not
+        preloaded, no fixed chunks for scope detection, retrieval index missing)."""
+        reasons: list[str] = []
+        degraded: list[str] = []
+        triton_ready = self.triton.model_ready()
+        if not triton_ready:
+            reasons.append(f"triton: model cag_llm not ready at {self.triton.base}")
+        resident = self.triton.resident_snapshots() if triton_ready else None
+        release = self._release
+        expected = min(len(release.snapshots), self.config.cache.max_resident_states) if release else 0
+        if release is None:
+            degraded.append("no active release: cache route off, every question goes to retrieval")
+        elif resident is not None and resident < expected:
+            degraded.append(f"triton: {resident} of {expected} snapshots resident (preload incomplete)")
+        if resident is not None:
+            metrics.RESIDENT_SNAPSHOTS.set(resident)
+        store = {"url": self.store.url, "reachable": True}
+        try:
+            self._timed_store(self.store.get, CURRENT_POINTER)
+        except NotFound:
+            pass
+        except StoreError as exc:
+            store = {"url": self.store.url, "reachable": False, "error": str(exc)}
+            degraded.append("store unreachable: release changes are not followed")
+        opensearch: dict[str, Any] = {"endpoint": self.index.endpoint, "reachable": False}
+        try:
+            health = self.index.health()
+            opensearch = {"endpoint": self.index.endpoint, "reachable": True, "status": health["status"],
+                          "hybrid": health["hybrid"], "alias_exists": health["alias_exists"]}
+            if not health["alias_exists"]:
+                degraded.append(f"opensearch: index alias {self.index.alias!r} missing: retrieval finds nothing")
+        except RetrievalError as exc:
+            reasons.append(f"opensearch: unreachable at {self.index.endpoint}")
+            opensearch["error"] = str(exc)
+        if release is not None and self.scope.size == 0:
+            degraded.append("scope detection has no fixed chunks: only doc_id requests take the cache route")
+        ready = not reasons
+        metrics.READY.set(1 if ready else 0)
+        return {
+            "ready": ready, "degraded": bool(degraded), "reasons": reasons + degraded,
+            "triton": {"url": self.triton.base, "ready": triton_ready, "resident_snapshots": resident},
+            "release": {"release_id": release.release_id if release else None,
+                        "snapshots": len(release.snapshots) if release else 0},
+            "opensearch": opensearch, "store": store, "scope": {"fixed_chunks": self.scope.size,
+                                                               "threshold": self.scope.threshold},
+        }
+
+    # ---- routing ------------------------------------------------------------------------------------
+
+    def _embed(self, plan: Plan, question: str) -> np.ndarray:
+        if plan.vector is None:
+            started = time.perf_counter()
+            plan.vector = self._question_vector(question)
+            plan.timings_ms["embed"] = _milliseconds(started)
+            metrics.BACKEND_SECONDS.labels("embedding").observe(plan.timings_ms["embed"] / 1000)
+        return plan.vector
+
+    def plan(self, query: Query) -> Plan:
+        started = time.perf_counter()
+        release = self._release
+        in_release = set(release.doc_ids) if release else set()
+        if query.doc_id is not None:
+            plan = Plan("cache", "doc_id", query.doc_id) if query.doc_id in in_release else \
+                Plan("retrieval", "doc_not_in_release", query.doc_id)
+        else:
+            plan = Plan("retrieval", "out_of_scope", None)
+            match = self.scope.match(self._embed(plan, query.question))
+            plan.scope_score = round(float(match.score), 4)
+            if match.in_scope and match.doc_id in in_release:
+                plan.route, plan.reason, plan.doc_id = "cache", "in_scope", match.doc_id
+        plan.timings_ms["route"] = _milliseconds(started)
+        return plan
+
+    def _search(self, plan: Plan, query: Query) -> list[SearchHit]:
+        vector = self._embed(plan, query.question)
+        started = time.perf_counter()
+        try:
+            hits = self.index.search(query.question, vector=vector, top_k=query.top_k or self.index.top_k,
+                                     doc_id=plan.doc_id)
+        except RetrievalUnavailable as exc:
+            raise ApiError(503, "retrieval_unavailable", str(exc), {"Retry-After": "5"}) from None
+        except RetrievalError as exc:
+            raise ApiError(502, "retrieval_error", str(exc)) from None
+        finally:
+            plan.timings_ms["search"] = _milliseconds(started)
+            metrics.BACKEND_SECONDS.labels("opensearch").observe(plan.timings_ms["search"] / 1000)
+        if not hits and plan.doc_id is not None:
+            raise ApiError(404, "unknown_document",
+                           f"document {plan.doc_id!r} is neither in the active release nor in the retrieval index")
+        return hits
+
+    def _snapshot_info(self, key: str) -> dict[str, Any] | None:
+        release = self._release
+        entry = next((entry for entry in release.snapshots if entry.key == key), None) if release and key else None
+        if entry is None:
+            return {"key": key, "doc_id": key.split("/")[0], "doc_version": None} if key else None
+        return {"key": entry.key, "doc_id": entry.doc_id, "doc_version": entry.doc_version}
+
+    def _triton_inputs(self, query: Query, request_id: str, plan: Plan, hits: list[SearchHit] | None) -> dict:
+        inputs: dict[str, Any] = {"question": query.question, "max_new_tokens": query.max_new_tokens,
+                                  "request_id": request_id}
+        if hits is None:
+            inputs["snapshot_key"] = plan.doc_id
+        elif hits:
+            inputs["context"] = _passages(hits)
+        return inputs
+
+    def _body(self, query: Query, request_id: str, plan: Plan, outputs: dict[str, Any], hits: list[SearchHit] | None,
+              fallback: str | None, started: float) -> dict[str, Any]:
+        total_ms = _milliseconds(started)
+        generate_ms = round(float(outputs.get("GEN_MS", 0.0)), 2)
+        ttft_ms = round(float(outputs.get("TTFT_MS", 0.0)), 2)
+        triton_ms = plan.timings_ms.get("triton", 0.0)
+        if outputs.get("ANSWER_SOURCE", "computed") != "computed":
+            # Kept or merged: Triton reports the run that computed the answer; this request got it whole
+            # when the call returned.
+            generate_ms = ttft_ms = triton_ms
+        # The model's own compute: GEN_MS, unless Triton answered faster than that; none for a kept answer.
+        compute_ms = 0.0 if outputs.get("ANSWER_SOURCE") == "answer-cache" else min(generate_ms, triton_ms)
+        route = "cache" if hits is None else "retrieval"
+        timings = {"route": plan.timings_ms.get("route", 0.0), "embed": plan.timings_ms.get("embed", 0.0),
+                   "search": plan.timings_ms.get("search", 0.0), "triton": triton_ms,
+                   "ttft": ttft_ms, "generate": generate_ms,
+                   "overhead": round(total_ms - compute_ms, 2), "total": total_ms}
+        cache_hit = bool(outputs.get("CACHE_HIT", False))
+        metrics.ANSWERS.labels(route).inc()
+        metrics.ANSWER_SECONDS.labels(route).observe(total_ms / 1000)
+        metrics.OVERHEAD_SECONDS.labels(route).observe(timings["overhead"] / 1000)
+        if cache_hit:
+            metrics.CACHE_HITS.inc()
+        if outputs.get("ANSWER_SOURCE"):
+            metrics.ANSWER_SOURCES.labels(outputs["ANSWER_SOURCE"]).inc()
+        return {
+            "answer": outputs.get("ANSWER", ""), "route": route, "route_reason": plan.reason, "cache_hit": cache_hit,
+            "fallback_reason": fallback, "snapshot": self._snapshot_info(outputs.get("SNAPSHOT_KEY", "")),
+            "citations": _citations(hits or []), "scope_score": plan.scope_score,
+            "answer_source": outputs.get("ANSWER_SOURCE"), "release_id": outputs.get("RELEASE_ID") or None,
+            "finish_reason": outputs.get("FINISH_REASON"), "timings_ms": timings, "request_id": request_id,
+        }
+
+    def _cache_failed(self, plan: Plan, error: TritonUnavailable | TritonRejected) -> str:
+        """Record a cache-route failure; returns the fallback reason, or raises when there is no fallback."""
+        if isinstance(error, TritonRejected) and error.status == 400:
+            raise triton_failure(error)
+        reason = fallback_reason(error)
+        log.warning("cache route for %s failed (%s): %s", plan.doc_id, reason, error)
+        if not self.config.retrieval.fallback_enabled:
+            if isinstance(error, TritonUnavailable):
+                raise triton_failure(error)
+            raise ApiError(503, reason, f"cache route failed and retrieval fallback is off: {error}")
+        metrics.FALLBACKS.labels(reason).inc()
+        plan.route = "retrieval"
+        if plan.reason == "in_scope":
+            plan.doc_id = None  # scope detection guessed the document: search everything
+        return reason
+
+    def answer(self, query: Query, request_id: str) -> dict[str, Any]:
+        started = time.perf_counter()
+        plan = self.plan(query)
+        fallback = None
+        if plan.route == "cache":
+            metrics.CACHE_ATTEMPTS.inc()
+            rpc_started = time.perf_counter()
+            try:
+                outputs = self.triton.infer(**self._triton_inputs(query, request_id, plan, None))
+                plan.timings_ms["triton"] = _milliseconds(rpc_started)
+                return self._body(query, request_id, plan, outputs, None, None, started)
+            except (TritonUnavailable, TritonRejected) as exc:
+                fallback = self._cache_failed(plan, exc)
+        hits = self._search(plan, query)
+        rpc_started = time.perf_counter()
+        try:
+            outputs = self.triton.infer(**self._triton_inputs(query, request_id, plan, hits))
+        except (TritonUnavailable, TritonRejected) as exc:
+            raise triton_failure(exc) from None
+        plan.timings_ms["triton"] = _milliseconds(rpc_started)
+        return self._body(query, request_id, plan, outputs, hits, fallback, started)
+
+    def _open_stream(self, inputs: dict[str, Any], plan: Plan) -> Iterator[str | dict[str, Any]]:
+        """Text pieces, then the final outputs. The first response is awaited here, so a failure to start
+        (unknown or corrupt snapshot) raises before a byte reaches the client and can still fall back."""
+        started = time.perf_counter()
+        responses = self.triton.stream(**inputs)
+        first = next(responses, None)
+        if first is None:
+            raise TritonRejected(500, "Triton's stream ended without a response")
+        metrics.BACKEND_SECONDS.labels("triton_stream_first_piece").observe(time.perf_counter() - started)
+
+        def items() -> Iterator[str | dict[str, Any]]:
+            for outputs in itertools.chain([first], responses):
+                if "ANSWER" in outputs:
+                    plan.timings_ms["triton"] = _milliseconds(started)
+                    yield outputs
+                else:
+                    yield outputs["TEXT"]
+
+        return items()
+
+    def stream(self, query: Query, request_id: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Server-sent events as ``(event, data)``: ``token`` events, then ``answer`` with the same body as
+        :meth:`answer`."""
+        started = time.perf_counter()
+        plan = self.plan(query)
+        fallback = None
+        hits: list[SearchHit] | None = None
+        pieces: Iterator[str | dict[str, Any]] | None = None
+        if plan.route == "cache":
+            metrics.CACHE_ATTEMPTS.inc()
+            try:
+                pieces = self._open_stream(self._triton_inputs(query, request_id, plan, None), plan)
+            except (TritonUnavailable, TritonRejected) as exc:
+                fallback = self._cache_failed(plan, exc)
+        if pieces is None:
+            hits = self._search(plan, query)
+            try:
+                pieces = self._open_stream(self._triton_inputs(query, request_id, plan, hits), plan)
+            except (TritonUnavailable, TritonRejected) as exc:
+                raise triton_failure(exc) from None
+        for item in pieces:
+            if isinstance(item, str):
+                yield "token", {"text": item}
+            else:
+                yield "answer", self._body(query, request_id, plan, item, hits, fallback, started)

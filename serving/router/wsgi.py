@@ -1,0 +1,9 @@
+"""WSGI entry point for any WSGI server: ``gunicorn -c serving/router/gunicorn.conf.py serving.router.wsgi:app``
+(``cagflow serve`` runs the same application with the same settings). Configuration comes from
+``$CAGFLOW_CONFIG`` and ``CAGFLOW__SECTION__KEY`` variables."""
+
+from cagflow.router import create_app
+from cagflow.router.server import prepare_worker
+
+prepare_worker()
+app = create_app()

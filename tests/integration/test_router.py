@@ -1,0 +1,356 @@
+"""The REST router as deployed (gunicorn via ``run_server``, in its own process) in front of a real Triton
+(tiny model, a release of the sample corpus's fixed documents) and a real OpenSearch holding the sample
+corpus's chunks. Scope scores come from the real MiniLM embedder over those chunks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import statistics
+import sys
+import threading
+import time
+import uuid
+from contextlib import ExitStack
+
+import pytest
+import requests
+
+from cagflow import pipeline
+from cagflow.apikeys import ApiKeyStore
+from cagflow.catalog import precompute_part
+from cagflow.config import Config, load_config
+from cagflow.documents import parse_file
+from cagflow.engine import Engine
+from cagflow.manifest import Release, publish_release
+from cagflow.router import create_app
+from cagflow.services.process import ServerProcess, free_port, hold_port
+from cagflow.services.triton import LocalTriton
+from cagflow.stores import LocalStore
+
+pytestmark = pytest.mark.integration
+
+MAX_NEW_TOKENS = 8
+IN_SCOPE = ("What is the minimum password length?", "security-access-policy")  # scope score ~0.68
+OUT_OF_SCOPE = "On what date is the eu-west database upgrade maintenance scheduled?"  # a variable document
+VARIABLE_DOC = "maintenance-2025-01-eu-west-database-upgrade"
+CORRUPTED_DOC = "data-retention-backup-guide"  # never asked before its snapshot is corrupted
+
+
+class RouterError(RuntimeError):
+    pass
+
+
+@pytest.fixture(scope="module")
+def corpus_index(opensearch_url, corpus_manifest_path):
+    """Every chunk of the sample corpus (both tiers) in an alias of its own, indexed by the pipeline's functions."""
+    config = load_config(environ={"CAGFLOW__RETRIEVAL__ENDPOINT": opensearch_url,
+                                  "CAGFLOW__RETRIEVAL__INDEX": f"router-{uuid.uuid4().hex[:8]}",
+                                  "CAGFLOW__CORPUS__MANIFEST": str(corpus_manifest_path)})
+    for tier in ("fixed", "variable"):
+        parsed = pipeline.parse_documents(pipeline.load_documents(tier, config=config))
+        pipeline.index_chunks(pipeline.embed_chunks(pipeline.chunk_documents(parsed, config)), tier, False, config)
+    return config.retrieval.index
+
+
+@pytest.fixture(scope="module")
+def release_store(tiny_model, corpus, tmp_path_factory):
+    """The first part (~600 tokens) of each fixed document, published as the active release."""
+    engine = Engine(tiny_model, max_context_tokens=900, max_new_tokens=MAX_NEW_TOKENS, question_budget_tokens=128)
+    store = LocalStore(tmp_path_factory.mktemp("router-store"))
+    entries = []
+    for document in corpus.tier("fixed"):
+        part = engine.split(document.doc_id, document.version, parse_file(corpus.file(document), document.title))[0]
+        entries.append(precompute_part(engine, store, part).entry)
+    release = Release.build(engine.fingerprint, entries)
+    publish_release(store, release)
+    return store, release
+
+
+def triton_environment(model_dir, store_root) -> dict[str, str]:
+    """Nothing preloaded: a snapshot becomes resident when first asked for, so one can be corrupted unseen."""
+    return {"CAGFLOW__MODEL__PATH": str(model_dir), "CAGFLOW__MODEL__MAX_CONTEXT_TOKENS": "2048",
+            "CAGFLOW__MODEL__MAX_NEW_TOKENS": str(MAX_NEW_TOKENS), "CAGFLOW__MODEL__QUESTION_BUDGET_TOKENS": "128",
+            "CAGFLOW__CACHE__STATE_STORE": f"file://{store_root}", "CAGFLOW__CACHE__MAX_RESIDENT_STATES": "3",
+            "CAGFLOW__CACHE__PRELOAD_ON_STARTUP": "false"}
+
+
+@pytest.fixture(scope="module")
+def triton(release_store, tiny_model_dir, tmp_path_factory):
+    store, _ = release_store
+    with LocalTriton(tmp_path_factory.mktemp("router-triton"),
+                     environment=triton_environment(tiny_model_dir, store.root)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    path = tmp_path_factory.mktemp("router-keys") / "api-keys.json"
+    store = ApiKeyStore(path)
+    _, user = store.create("integration")
+    _, admin = store.create("integration-admin", admin=True)
+    return path, {"Authorization": f"Bearer {user}"}, {"Authorization": f"Bearer {admin}"}
+
+
+def router_settings(opensearch_url, index, triton, store, keys_path) -> dict[str, str]:
+    return {"CAGFLOW__RETRIEVAL__ENDPOINT": opensearch_url, "CAGFLOW__RETRIEVAL__INDEX": index,
+            "CAGFLOW__SERVICE__TRITON_URL": triton.http_url, "CAGFLOW__SERVICE__TRITON_GRPC_URL": triton.grpc_url,
+            "CAGFLOW__SERVICE__TRITON_METRICS_URL": triton.metrics_url,
+            "CAGFLOW__SERVICE__API_KEYS_FILE": str(keys_path), "CAGFLOW__SERVICE__IN_SCOPE_THRESHOLD": "0.5",
+            "CAGFLOW__SERVICE__RATE_LIMIT_PER_S": "1000", "CAGFLOW__SERVICE__RATE_LIMIT_BURST": "1000",
+            "CAGFLOW__SERVICE__TRITON_TIMEOUT_S": "60", "CAGFLOW__SERVICE__RETRIES": "0",
+            "CAGFLOW__CACHE__STATE_STORE": f"file://{store.root}", "CAGFLOW__CACHE__MAX_RESIDENT_STATES": "3",
+            "CAGFLOW__RETRIEVAL__TIMEOUT_S": "5"}
+
+
+@pytest.fixture(scope="module")
+def router(opensearch_url, corpus_index, triton, release_store, keys, tmp_path_factory):
+    """The router process (``run_server``: gunicorn, one worker, threads); yields its base URL."""
+    store, _ = release_store
+    run_dir = tmp_path_factory.mktemp("router-run")
+    port = free_port()
+    environment = {**os.environ, **router_settings(opensearch_url, corpus_index, triton, store, keys[0]),
+                   "CAGFLOW__SERVICE__PORT": str(port), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-c", "from cagflow.config import load_config\n"
+               "from cagflow.router import run_server\nrun_server(load_config())"]
+    server = ServerProcess("router", run_dir / "router.log", RouterError, leader_first=True)
+    server.launch(command, cwd=run_dir, env=environment)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        server.wait_ready(lambda: requests.get(f"{url}/healthz", timeout=1).ok, 120, interval_s=0.3,
+                          retry_on=(requests.RequestException,))
+        yield url, run_dir / "router.log"
+    finally:
+        server.stop(30)
+
+
+def ask(router, headers, **body) -> dict:
+    url, _ = router
+    response = requests.post(f"{url}/v1/query", json={"max_new_tokens": MAX_NEW_TOKENS, **body}, headers=headers,
+                             timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_ready_with_a_degraded_note_until_snapshots_are_resident(router):
+    response = requests.get(f"{router[0]}/readyz", timeout=30)
+    report = response.json()
+    assert response.status_code == 200 and report["ready"] is True, report
+    assert report["opensearch"]["reachable"] and report["opensearch"]["hybrid"] in ("server", "client")
+    assert report["release"]["snapshots"] == 5 and report["scope"]["fixed_chunks"] > 0
+    assert report["degraded"] and any("resident" in reason for reason in report["reasons"])  # preload is off
+
+
+def test_in_scope_question_takes_the_cache_route(router, keys, release_store):
+    _, release = release_store
+    answer = ask(router, keys[1], question=IN_SCOPE[0])
+    assert answer["route"] == "cache" and answer["route_reason"] == "in_scope" and answer["cache_hit"] is True
+    assert answer["snapshot"]["doc_id"] == IN_SCOPE[1] and answer["scope_score"] >= 0.5
+    assert answer["snapshot"]["key"] in {entry.key for entry in release.snapshots}
+    assert answer["fallback_reason"] is None and answer["citations"] == []
+    timings = answer["timings_ms"]
+    assert timings["total"] >= timings["generate"] >= timings["ttft"] > 0 and timings["search"] == 0
+
+
+def test_out_of_scope_question_is_answered_by_retrieval_with_citations(router, keys):
+    answer = ask(router, keys[1], question=OUT_OF_SCOPE, top_k=3)
+    assert answer["route"] == "retrieval" and answer["route_reason"] == "out_of_scope"
+    assert answer["cache_hit"] is False and answer["snapshot"] is None
+    assert len(answer["citations"]) == 3 and answer["citations"][0]["doc_id"] == VARIABLE_DOC
+    assert answer["timings_ms"]["search"] > 0
+
+
+def test_doc_id_forces_the_route(router, keys):
+    forced = ask(router, keys[1], question=OUT_OF_SCOPE, doc_id="support-faq")
+    assert forced["route"] == "cache" and forced["route_reason"] == "doc_id"
+    assert forced["snapshot"]["doc_id"] == "support-faq" and forced["scope_score"] is None
+    variable = ask(router, keys[1], question=IN_SCOPE[0], doc_id=VARIABLE_DOC)
+    assert variable["route"] == "retrieval" and variable["route_reason"] == "doc_not_in_release"
+    assert {citation["doc_id"] for citation in variable["citations"]} == {VARIABLE_DOC}
+    unknown = requests.post(f"{router[0]}/v1/query", json={"question": "q", "doc_id": "no-such-doc"},
+                            headers=keys[1], timeout=60)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_document"
+
+
+def test_a_corrupt_snapshot_falls_back_to_retrieval_and_says_why(router, keys, release_store):
+    store, release = release_store
+    entry = release.for_doc(CORRUPTED_DOC)[0]
+    path = store.root / entry.object_name
+    path.write_bytes(path.read_bytes()[:-64] + b"\x00" * 64)
+    answer = ask(router, keys[1], question="How many days are Skerry Cloud backups kept?", doc_id=CORRUPTED_DOC)
+    assert answer["route"] == "retrieval" and answer["fallback_reason"] == "snapshot_corrupt"
+    assert {citation["doc_id"] for citation in answer["citations"]} == {CORRUPTED_DOC} and answer["answer"]
+    again = ask(router, keys[1], question="How long are audit log records retained?", doc_id=CORRUPTED_DOC)
+    assert again["route"] == "retrieval" and again["fallback_reason"] in ("snapshot_corrupt", "snapshot_unavailable")
+    metrics = requests.get(f"{router[0]}/metrics", timeout=10).text
+    assert re.search(r'^cagflow_router_fallbacks_total\{reason="snapshot_corrupt"\} [1-9]', metrics, re.MULTILINE)
+
+
+def sse_events(response) -> list[tuple[str, dict]]:
+    events, event = [], None
+    for line in response.iter_lines(decode_unicode=True):
+        if line.startswith("event: "):
+            event = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            events.append((event, json.loads(line.removeprefix("data: "))))
+    return events
+
+
+def test_streaming_yields_tokens_then_the_same_answer_as_without_streaming(router, keys):
+    url, _ = router
+    plain = ask(router, keys[1], question=IN_SCOPE[0])
+    with requests.post(f"{url}/v1/query", json={"question": IN_SCOPE[0], "max_new_tokens": MAX_NEW_TOKENS,
+                                                 "stream": True}, headers=keys[1], stream=True, timeout=120) as reply:
+        assert reply.status_code == 200 and reply.headers["Content-Type"].startswith("text/event-stream")
+        events = sse_events(reply)
+    tokens = [data["text"] for event, data in events if event == "token"]
+    final = events[-1]
+    assert len(tokens) > 1 and final[0] == "answer"
+    assert "".join(tokens).strip() == final[1]["answer"] == plain["answer"]
+    assert final[1]["route"] == "cache" and final[1]["cache_hit"] is True
+    assert final[1]["snapshot"] == plain["snapshot"]
+
+
+def test_releases_and_admin_reload(router, keys, release_store):
+    url, _ = router
+    _, release = release_store
+    listed = requests.get(f"{url}/v1/releases", headers=keys[1], timeout=30).json()
+    assert listed["active"] == release.release_id and listed["releases"] == [release.release_id]
+    assert requests.post(f"{url}/admin/reload", headers=keys[1], timeout=30).status_code == 403
+    reloaded = requests.post(f"{url}/admin/reload", json={"release_id": release.release_id}, headers=keys[2],
+                             timeout=120)
+    assert reloaded.status_code == 200 and reloaded.json()["release_id"] == release.release_id
+    missing = requests.post(f"{url}/admin/reload", json={"release_id": "20200101T000000Z-00000000"},
+                            headers=keys[2], timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "unknown_release"
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(share * (len(ordered) - 1))))]
+
+
+def test_overhead_outside_the_model_is_visible_in_timings(router, keys):
+    """Reports p50/p95 of the time spent outside Triton's own compute, per route (printed, not asserted:
+    the machine is shared). Every question is new, so Triton computes each answer."""
+    samples: dict[str, list[dict]] = {"cache": [], "retrieval": []}
+    for number in range(20):
+        for question in (IN_SCOPE[0], OUT_OF_SCOPE):
+            answer = ask(router, keys[1], question=f"{question} (case {number})", max_new_tokens=1)
+            assert answer["answer_source"] in (None, "computed")
+            samples[answer["route"]].append(answer["timings_ms"])
+    assert len(samples["cache"]) >= 10 and len(samples["retrieval"]) >= 10
+    for route, timings in samples.items():
+        assert all(t["overhead"] == pytest.approx(t["total"] - t["generate"], abs=0.02) for t in timings)
+        print(f"\n{route} ({len(timings)} answers):", ", ".join(
+            f"{name} p50 {statistics.median(t[name] for t in timings):.1f} p95 "
+            f"{percentile([t[name] for t in timings], 0.95):.1f} ms"
+            for name in ("overhead", "total", "route", "embed", "search", "triton", "generate")))
+    metrics = requests.get(f"{router[0]}/metrics", timeout=10).text
+    assert 'cagflow_router_overhead_seconds_count{route="cache"}' in metrics
+
+
+def test_access_log_has_one_json_line_per_request(router):
+    _, log_path = router
+    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith('{"ts"')]
+    queries = [line for line in lines if line["endpoint"] == "/v1/query" and line["status"] == 200]
+    assert queries and all(line["key_id"] and line["route"] in ("cache", "retrieval") for line in queries)
+    assert any(line["fallback_reason"] == "snapshot_corrupt" for line in queries)
+    assert not any("Bearer" in json.dumps(line) or "cgf_" in json.dumps(line) for line in lines)
+
+
+class Forwarder:
+    """A TCP port that forwards to OpenSearch while open: "OpenSearch unreachable" and "back" without
+    stopping the node other tests share."""
+
+    def __init__(self, target_url: str):
+        host, port = target_url.removeprefix("http://").split(":")
+        self.target = (host, int(port))
+        self.port = free_port()
+        self._listener: socket.socket | None = None
+
+    def open(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                try:
+                    end.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def test_readiness_fails_while_opensearch_is_unreachable_and_recovers(opensearch_url, corpus_index, triton,
+                                                                     release_store, keys):
+    store, _ = release_store
+    forwarder = Forwarder(opensearch_url)
+    settings = router_settings(f"http://127.0.0.1:{forwarder.port}", corpus_index, triton, store, keys[0])
+    config: Config = load_config(environ={**settings, "CAGFLOW__SERVICE__RELEASE_POLL_S": "0",
+                                          "CAGFLOW__RETRIEVAL__TIMEOUT_S": "1"})
+    app = create_app(config)
+    try:
+        down = app.test_client().get("/readyz")
+        assert down.status_code == 503 and not down.get_json()["opensearch"]["reachable"]
+        assert any(reason.startswith("opensearch: unreachable") for reason in down.get_json()["reasons"])
+        forwarder.open()
+        back = app.test_client().get("/readyz")
+        assert back.status_code == 200 and back.get_json()["opensearch"]["reachable"], back.get_json()
+    finally:
+        forwarder.close()
+        app.extensions["cagflow_router"].close()
+
+
+def wait_until_free(ports, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with ExitStack() as held:
+                for port in ports:
+                    hold_port(held, port)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def test_readiness_fails_while_triton_is_down_and_recovers(router, keys, triton, release_store, tiny_model_dir,
+                                                           tmp_path_factory):
+    url, _ = router
+    store, _ = release_store
+    ports = dict(triton.ports)
+    triton.stop()
+    down = requests.get(f"{url}/readyz", timeout=30)
+    assert down.status_code == 503 and down.json()["triton"]["ready"] is False
+    refused = requests.post(f"{url}/v1/query", json={"question": OUT_OF_SCOPE}, headers=keys[1], timeout=30)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "triton_unavailable"
+    wait_until_free(ports.values())  # the old server's closed connections hold its ports for a while
+    with LocalTriton(tmp_path_factory.mktemp("router-triton-again"), ports=ports,
+                     environment=triton_environment(tiny_model_dir, store.root)):
+        back = requests.get(f"{url}/readyz", timeout=30)
+        assert back.status_code == 200 and back.json()["triton"]["ready"] is True
