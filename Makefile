@@ -8,8 +8,8 @@ PYTEST_ARGS ?=
 .PHONY: install run stop test test-unit help
 
 help:
-	@echo "make run   - install, start OpenSearch and Airflow, run the precompute DAG on the sample corpus,"
-	@echo "             then answer sample questions via cache and via full prompt"
+	@echo "make run   - install, start OpenSearch, Triton, Airflow and the REST API, run the ingest and precompute"
+	@echo "             DAGs on the sample corpus, then ask sample questions through the API"
 	@echo "make stop  - stop the services make run started"
 	@echo "make test  - install and run the whole test suite (it starts its own servers on 127.0.0.1)"
 
@@ -25,19 +25,38 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 install: $(STAMP)
 	@$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 
-# The DAG's tasks run from this checkout, so the manifest path is made absolute for them.
+# Where the local stack listens. Every component is told the same addresses through CAGFLOW__* variables,
+# which the Airflow tasks and the Triton models inherit.
+API_PORT ?= 8080
+TRITON_HTTP_PORT ?= 8000
+TRITON_GRPC_PORT ?= 8001
+TRITON_METRICS_PORT ?= 8002
+AIRFLOW_PORT ?= 8081
+DEMO_QUESTIONS ?= 6
+
+# The DAG's tasks run from this checkout, so the manifest path is made absolute for them. Triton starts
+# before the DAGs so that the precompute run's last task can make it load the new release; the router
+# starts after them so that it reads the fixed documents' chunks from the index at start-up.
 run: export CAGFLOW__CORPUS__MANIFEST = $(CURDIR)/corpus/manifest.yaml
+run: export CAGFLOW__SERVICE__PORT = $(API_PORT)
+run: export CAGFLOW__SERVICE__TRITON_URL = 127.0.0.1:$(TRITON_HTTP_PORT)
+run: export CAGFLOW__PRECOMPUTE__TRITON_URL = 127.0.0.1:$(TRITON_HTTP_PORT)
 run: install
 	$(BIN)/cagflow opensearch up
-	$(BIN)/cagflow airflow up
+	$(BIN)/cagflow triton up --http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) \
+		--metrics-port $(TRITON_METRICS_PORT)
+	$(BIN)/cagflow airflow up --port $(AIRFLOW_PORT)
+	$(BIN)/cagflow airflow trigger cag_variable_ingest
 	$(BIN)/cagflow airflow trigger cag_fixed_precompute
-	$(BIN)/cagflow demo
-	@$(BIN)/cagflow airflow status
-	@$(BIN)/cagflow opensearch status
-	@echo "Services keep running (Airflow UI above); stop them with: make stop"
+	$(BIN)/cagflow keys init-local
+	$(BIN)/cagflow router up
+	$(BIN)/cagflow demo --questions $(DEMO_QUESTIONS)
+	@echo "Services keep running; stop them with: make stop"
 
 stop:
+	-$(BIN)/cagflow router down
 	-$(BIN)/cagflow airflow down
+	-$(BIN)/cagflow triton down
 	-$(BIN)/cagflow opensearch down
 
 test: install

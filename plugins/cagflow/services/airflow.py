@@ -1,7 +1,7 @@
 """Airflow 3 on this machine: SQLite metadata, LocalExecutor, the UI and REST API on 127.0.0.1.
 
 The api-server, scheduler, dag-processor and triggerer run as separate processes, all in one process group
-of their own, so ``stop`` (or ``python -m cagflow.services.airflow down`` from another shell) ends every
+of their own, so ``stop`` (or ``cagflow airflow down`` from another shell) ends every
 one of them and their task processes together, and an interrupt in the caller's terminal ends none.
 Example DAGs are off and DAGs start paused; ``trigger`` unpauses the DAG it runs. Cron schedules are off
 unless asked for (``schedules=True``, ``up --schedules``): otherwise unpausing a DAG would also start a run
@@ -283,7 +283,7 @@ def _describe_run(run: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cagflow.services.airflow", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="cagflow airflow", description=__doc__.split("\n")[0])
     parser.add_argument("--home", type=Path, default=default_home(), help="Airflow home (default: %(default)s)")
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start Airflow in the background and print its URL and admin login")
@@ -301,13 +301,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "up":
             airflow = LocalAirflow(args.home, args.dags_folder, args.port, args.parallelism, args.schedules)
+            home = "" if airflow.home == default_home().resolve() else f" --home {shlex.quote(str(airflow.home))}"
+            stop_hint = f"stop with: cagflow airflow{home} down"
+            running = airflow.running_state()
+            if running is not None:
+                print(f"Airflow already running at {running['url']} (home {airflow.home}, process group "
+                      f"{running['pid']}); {stop_hint}")
+                return 0
             started = time.monotonic()
             url = airflow.start()
             airflow.detach()
             user, password = airflow.credentials()
             print(f"Airflow {url} ready in {time.monotonic() - started:.0f} s (home {airflow.home}, "
-                  f"process group {airflow.pgid})\nlogin: {user} / {password}\nstop with: "
-                  f"python -m cagflow.services.airflow --home {shlex.quote(str(airflow.home))} down", flush=True)
+                  f"process group {airflow.pgid})\nlogin: {user} / {password}\n{stop_hint}", flush=True)
         elif args.command == "down":
             airflow = LocalAirflow(args.home)
             state = airflow.running_state()

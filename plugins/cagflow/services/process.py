@@ -31,6 +31,9 @@ def hold_port(stack: ExitStack, port: int = 0) -> int:
     """Bind ``port`` (0: any free one) on HOST until ``stack`` closes, so that ports chosen together are
     distinct; OSError when it is taken."""
     probe = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+    # Like the servers themselves: a port whose old connections linger in TIME_WAIT is free, one with a
+    # listener is not.
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     probe.bind((HOST, port))
     return probe.getsockname()[1]
 
@@ -112,6 +115,19 @@ def running_record(path: Path) -> dict[str, Any] | None:
     """The record at ``path`` while its group still has a live process; a stale one counts as none."""
     record = read_record(path)
     return record if record and group_members(record["pid"]) else None
+
+
+def stop_recorded(path: Path, timeout_s: float, *, leader_first: bool = False) -> tuple[dict[str, Any] | None, bool]:
+    """Stop the group recorded at ``path`` (see ``stop_group``) and forget the record, for a ``down``
+    command. Returns the record (None when there was none) and whether its group was still running."""
+    record = read_record(path)
+    if record is None:
+        return None, False
+    was_running = bool(group_members(record["pid"]))
+    if was_running:
+        stop_group(record["pid"], timeout_s, leader_first=leader_first)
+    path.unlink(missing_ok=True)
+    return record, was_running
 
 
 class ServerProcess:

@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import os
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
@@ -25,18 +26,19 @@ import time
 import urllib.error
 import urllib.request
 from importlib import metadata
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Sequence
 
 from ..config import CACHE_HOME
-from .process import (HOST, ServerContext, ServerProcess, free_ports, group_members, read_record, record_group,
-                      running_record, stop_group)
+from .process import HOST, ServerContext, ServerProcess, hold_port, record_group, running_record, stop_recorded
 
 STUB_NUMPY = "numpy==1.26.4"
 DEFAULT_RUN_DIR = CACHE_HOME / "triton"
 STUB_ENV_DIR = CACHE_HOME / "triton-stub"
 DEFAULT_MODEL_REPOSITORY = Path(__file__).resolve().parents[3] / "triton_models"
 STATE_FILE = "server.json"
+PORT_NAMES = ("http", "grpc", "metrics")
 
 
 class TritonError(RuntimeError):
@@ -119,6 +121,19 @@ def stub_python_bin(cache_dir: Path = STUB_ENV_DIR) -> Path:
     return env_dir / "bin"
 
 
+def choose_ports(requested: dict[str, int | None] | None = None) -> dict[str, int]:
+    """Distinct ports for HTTP, gRPC and metrics: those ``requested`` (by name), free ones for the rest."""
+    requested = requested or {}
+    with ExitStack() as held:
+        ports = {}
+        for name in PORT_NAMES:
+            try:
+                ports[name] = hold_port(held, requested.get(name) or 0)
+            except OSError:
+                raise TritonError(f"{name} port {requested[name]} on {HOST} is already in use") from None
+        return ports
+
+
 def is_ready(http_url: str) -> bool:
     """True once the server answers ``/v2/health/ready`` (every model loaded)."""
     try:
@@ -133,18 +148,20 @@ class LocalTriton(ServerContext):
 
     ``models`` restricts which models of the repository load (all of them by default). ``environment``
     is added to the server's environment: that is how the models get their CAGFlow configuration
-    (``CAGFLOW_CONFIG``, ``CAGFLOW__SECTION__KEY``).
+    (``CAGFLOW_CONFIG``, ``CAGFLOW__SECTION__KEY``). ``ports`` fixes some of the ``http``, ``grpc`` and
+    ``metrics`` ports (for clients configured with an address); the others are free ones.
     """
 
     def __init__(self, run_dir: str | os.PathLike[str] = DEFAULT_RUN_DIR,
                  model_repository: str | os.PathLike[str] = DEFAULT_MODEL_REPOSITORY,
                  models: Sequence[str] | None = None, environment: dict[str, str] | None = None,
-                 exit_timeout_s: int = 10):
+                 exit_timeout_s: int = 10, ports: dict[str, int | None] | None = None):
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.model_repository = Path(model_repository).expanduser().resolve()
         self.models = list(models) if models else None
         self.environment = dict(environment or {})
         self.exit_timeout_s = exit_timeout_s
+        self.requested_ports = dict(ports or {})
         self.ports: dict[str, int] = {}
         # A distinct shared-memory prefix per server, so several servers can run on one machine and
         # regions left by a crashed stub can be removed.
@@ -210,7 +227,7 @@ class LocalTriton(ServerContext):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         backend_dir = build_backend_dir(self.run_dir / "backends")
         environment = self._server_environment()
-        self.ports = dict(zip(("http", "grpc", "metrics"), free_ports(3)))
+        self.ports = choose_ports(self.requested_ports)
         self._server.launch(self._command(backend_dir), cwd=self.run_dir, env=environment)
         self._server.wait_ready(self.is_ready, timeout_s, interval_s=0.2)
         return self
@@ -239,37 +256,39 @@ def _remove_shared_memory(prefix: str) -> None:
         region.unlink(missing_ok=True)
 
 
+def _stop_hint(run_dir: Path) -> str:
+    if run_dir == DEFAULT_RUN_DIR.expanduser().resolve():
+        return "cagflow triton down"
+    return f"cagflow triton --run-dir {shlex.quote(str(run_dir))} down"
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     state = running_record(args.run_dir / STATE_FILE)
     if state:
-        print(f"already running (pid {state['pid']}): http {HOST}:{state['ports']['http']}", file=sys.stderr)
-        return 1
+        print(f"tritonserver already running (pid {state['pid']}): http {HOST}:{state['ports']['http']}, "
+              f"log {state['log']}; stop with: {_stop_hint(args.run_dir)}")
+        return 0
     environment = {"CAGFLOW_CONFIG": str(Path(args.config).resolve())} if args.config else {}
-    server = LocalTriton(args.run_dir, args.model_repository, args.model, environment)
+    ports = {"http": args.http_port, "grpc": args.grpc_port, "metrics": args.metrics_port}
+    server = LocalTriton(args.run_dir, args.model_repository, args.model, environment, ports=ports)
     started = time.perf_counter()
     server.start(args.timeout)
     state = server.detach()
     print(f"tritonserver ready in {time.perf_counter() - started:.1f} s (pid {state['pid']})",
           f"http    {server.http_url}", f"grpc    {server.grpc_url}", f"metrics {server.metrics_url}",
-          f"log     {server.console_log}", sep="\n")
+          f"log     {server.console_log}", f"stop with: {_stop_hint(args.run_dir)}", sep="\n")
     return 0
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    state_file = args.run_dir / STATE_FILE
-    state = read_record(state_file)
-    if not state:
-        print(f"no server recorded in {args.run_dir}", file=sys.stderr)
+    state, was_running = stop_recorded(args.run_dir / STATE_FILE, args.timeout, leader_first=True)
+    if state is None:
+        print(f"no tritonserver recorded in {args.run_dir}")
         return 0
-    pid = int(state["pid"])
-    if group_members(pid):
-        stop_group(pid, args.timeout, leader_first=True)
-        print(f"stopped tritonserver (pid {pid})")
-    else:
-        print(f"tritonserver (pid {pid}) was not running")
+    pid = state["pid"]
+    print(f"stopped tritonserver (pid {pid})" if was_running else f"tritonserver (pid {pid}) was not running")
     if state.get("shm_prefix"):
         _remove_shared_memory(state["shm_prefix"])
-    state_file.unlink(missing_ok=True)
     return 0
 
 
@@ -286,7 +305,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cagflow.services.triton", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="cagflow triton", description=__doc__.split("\n")[0])
     parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR,
                         help=f"state and logs (default {DEFAULT_RUN_DIR})")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -294,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     up.add_argument("--model", action="append", help="load only this model (repeatable; default: all)")
     up.add_argument("--config", help="CAGFlow YAML config for the models (default: $CAGFLOW_CONFIG)")
+    for name in PORT_NAMES:
+        up.add_argument(f"--{name}-port", type=int, help=f"{name} port (default: a free one)")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
     up.set_defaults(run=cmd_up)
     down = commands.add_parser("down", help="stop the server started by `up`")
