@@ -87,8 +87,12 @@ def _print_summary(items: list[QAItem], replies: list[dict], errors: int) -> Non
         totals = [r["timings_ms"]["total"] for r in replies if r.get("route") == route]
         ttfts = [r["timings_ms"]["ttft"] for r in replies if r.get("route") == route and r["timings_ms"].get("ttft")]
         ttft = f", TTFT p50 {percentile(ttfts, 0.5):.0f} ms p95 {percentile(ttfts, 0.95):.0f} ms" if ttfts else ""
+        outside = [r["timings_ms"]["overhead"] for r in replies
+                   if r.get("route") == route and r["timings_ms"].get("overhead") is not None]
+        overhead = (f", outside the model p50 {percentile(outside, 0.5):.0f} ms p95 {percentile(outside, 0.95):.0f} ms"
+                    if outside else "")
         print(f"  {route:<9} {len(totals):2d} answers: total p50 {percentile(totals, 0.5):.0f} ms "
-              f"p95 {percentile(totals, 0.95):.0f} ms{ttft}")
+              f"p95 {percentile(totals, 0.95):.0f} ms{ttft}{overhead}")
     hits = sum(bool(reply.get("cache_hit")) for reply in replies)
     in_scope = [reply for item, reply in zip(items, replies) if item.in_scope]
     routed = sum(reply.get("route") == "cache" for reply in in_scope)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cagflow.demo import percentile, pick_mixed_questions
-from cagflow.services.process import free_ports, hold_port
+from cagflow.services.process import HOST, free_ports
 from cagflow.services.triton import TritonError, choose_ports
 
 QA_PATH = Path(__file__).resolve().parents[2] / "corpus" / "qa.jsonl"
@@ -107,7 +107,8 @@ def test_demo_without_api_or_key_says_what_to_do(tmp_path):
 
 def test_triton_ports_requested_and_taken():
     with ExitStack() as held:
-        taken = hold_port(held)
+        listener = held.enter_context(socket.create_server((HOST, 0)))
+        taken = listener.getsockname()[1]
         with pytest.raises(TritonError, match=f"http port {taken} .* already in use"):
             choose_ports({"http": taken})
     wanted = free_ports(1)[0]

@@ -31,9 +31,10 @@ def hold_port(stack: ExitStack, port: int = 0) -> int:
     """Bind ``port`` (0: any free one) on HOST until ``stack`` closes, so that ports chosen together are
     distinct; OSError when it is taken."""
     probe = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-    # Like the servers themselves: a port whose old connections linger in TIME_WAIT is free, one with a
-    # listener is not.
-    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if port:
+        # Like the servers themselves: a named port whose old connections linger in TIME_WAIT is free, one
+        # with a listener is not. (Not for port 0, where it could hand out a port another probe holds.)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     probe.bind((HOST, port))
     return probe.getsockname()[1]
 
