@@ -97,3 +97,26 @@ def opensearch_url(tmp_path_factory) -> Iterator[str]:
 
     with LocalOpenSearch(tmp_path_factory.mktemp("opensearch")) as node:
         yield node.url
+
+
+@pytest.fixture(scope="session")
+def publish_first_parts(tiny_model, corpus):
+    """``publish(store, max_new_tokens)``: the first part (~600 tokens) of each fixed document, precomputed
+    with the tiny model and published as the active release; returns ``(engine, release)``."""
+    from cagflow.catalog import precompute_part
+    from cagflow.documents import parse_file
+    from cagflow.engine import Engine
+    from cagflow.manifest import Release, publish_release
+
+    def publish(store, max_new_tokens: int):
+        engine = Engine(tiny_model, max_context_tokens=900, max_new_tokens=max_new_tokens, question_budget_tokens=128)
+        entries = []
+        for document in corpus.tier("fixed"):
+            parsed = parse_file(corpus.file(document), document.title)
+            part = engine.split(document.doc_id, document.version, parsed)[0]
+            entries.append(precompute_part(engine, store, part).entry)
+        release = Release.build(engine.fingerprint, entries)
+        publish_release(store, release)
+        return engine, release
+
+    return publish

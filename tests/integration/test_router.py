@@ -20,11 +20,7 @@ import requests
 
 from cagflow import pipeline
 from cagflow.apikeys import ApiKeyStore
-from cagflow.catalog import precompute_part
 from cagflow.config import Config, load_config
-from cagflow.documents import parse_file
-from cagflow.engine import Engine
-from cagflow.manifest import Release, publish_release
 from cagflow.router import create_app
 from cagflow.services.process import ServerProcess, free_port, hold_port
 from cagflow.services.triton import LocalTriton
@@ -56,16 +52,10 @@ def corpus_index(opensearch_url, corpus_manifest_path):
 
 
 @pytest.fixture(scope="module")
-def release_store(tiny_model, corpus, tmp_path_factory):
+def release_store(publish_first_parts, tmp_path_factory):
     """The first part (~600 tokens) of each fixed document, published as the active release."""
-    engine = Engine(tiny_model, max_context_tokens=900, max_new_tokens=MAX_NEW_TOKENS, question_budget_tokens=128)
     store = LocalStore(tmp_path_factory.mktemp("router-store"))
-    entries = []
-    for document in corpus.tier("fixed"):
-        part = engine.split(document.doc_id, document.version, parse_file(corpus.file(document), document.title))[0]
-        entries.append(precompute_part(engine, store, part).entry)
-    release = Release.build(engine.fingerprint, entries)
-    publish_release(store, release)
+    _, release = publish_first_parts(store, MAX_NEW_TOKENS)
     return store, release
 
 

@@ -52,16 +52,10 @@ def server_environment(model_path, store_root, max_resident_states: int, max_con
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model, corpus, tmp_path_factory):
+def tiny(publish_first_parts, tmp_path_factory):
     """An engine and a store with a published release: the first part (~600 tokens) of each fixed document."""
-    engine = Engine(tiny_model, max_context_tokens=900, max_new_tokens=MAX_NEW_TOKENS, question_budget_tokens=128)
     store = LocalStore(tmp_path_factory.mktemp("triton-store"))
-    entries = []
-    for document in corpus.tier("fixed"):
-        part = engine.split(document.doc_id, document.version, parse_file(corpus.file(document), document.title))[0]
-        entries.append(precompute_part(engine, store, part).entry)
-    release = Release.build(engine.fingerprint, entries)
-    publish_release(store, release)
+    engine, release = publish_first_parts(store, MAX_NEW_TOKENS)
     return engine, store, release
 
 

@@ -45,20 +45,19 @@ def _json(body: dict[str, Any], status: int = 200, headers: dict[str, str] | Non
                     mimetype="application/json")
 
 
+def _to_stderr(logger: logging.Logger, line_format: str) -> None:
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(line_format))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def _configure_logging() -> None:
     """One JSON object per line on stderr for the access log; plain lines for everything else."""
-    if not access_log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        access_log.addHandler(handler)
-        access_log.setLevel(logging.INFO)
-        access_log.propagate = False
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
+    _to_stderr(access_log, "%(message)s")
+    _to_stderr(log, "%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
 def _read_json(optional: bool = False) -> Any:
