@@ -28,6 +28,7 @@ DECODE_TOKENS = 16
 BATCH_SIZES = (1, 2, 4, 8)
 BATCH_DOCUMENT_TOKENS = 2048
 BATCH_NEW_TOKENS = 24
+SERVING_ROUNDS = 4
 QUESTIONS = ("Which port does the web console use?", "How long are backups kept?",
              "Who approves a SEV1 change?", "How do I reset a locked account?",
              "Where are audit logs stored?", "What happens when a disk is full?",
@@ -134,6 +135,45 @@ def measure(engine: Engine, corpus_dir: Path, runs: int, baseline: bool) -> dict
             "batches": batches}
 
 
+def measure_serving(engine: Engine, snapshot: Snapshot, config: Config, rounds: int = SERVING_ROUNDS) -> dict:
+    """The serving layer (``cag_llm``'s logic, without Triton) under a frequent-questions workload: bursts of
+    ``BATCH_SIZES[-1]`` concurrent requests whose questions follow a Zipf-like popularity. Reports how many
+    answers were computed, merged with an identical request in flight, or served from the answer cache."""
+    import asyncio
+    import random
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .catalog import store_snapshot
+    from .manifest import Release, publish_release
+    from .resident import ResidentSet
+    from .stores import LocalStore
+    from .triton_backend import AnswerRequest, CagService, Runtime, answer_requests
+
+    burst = BATCH_SIZES[-1]
+    popularity = random.Random(7)
+    weights = [1 / (rank + 1) for rank in range(len(QUESTIONS))]
+    with tempfile.TemporaryDirectory(prefix="cagflow-bench-") as root, ThreadPoolExecutor(burst) as pool:
+        store = LocalStore(root)
+        entry, _ = store_snapshot(store, snapshot)
+        publish_release(store, Release.build(engine.fingerprint, [entry]))
+        resident = ResidentSet(store, engine.fingerprint, max_states=1, max_bytes=2**40)
+        service = CagService(Runtime(config, engine, store), resident, answer_cache_entries=1024)
+        service.reload(None, preload=True)
+        sources: list[str] = []
+        started = time.perf_counter()
+        for _ in range(rounds):
+            questions = popularity.choices(QUESTIONS, weights, k=burst)
+            requests = [AnswerRequest(q, entry.key, max_new_tokens=BATCH_NEW_TOKENS) for q in questions]
+            sources += [served.source for served in asyncio.run(answer_requests(service, pool, requests))]
+        seconds = time.perf_counter() - started
+        service.close()
+    count = {source: sources.count(source) for source in ("computed", "merged", "answer-cache")}
+    return {"requests": len(sources), "burst": burst, "distinct_questions": len(QUESTIONS), **count,
+            "merge_rate": count["merged"] / len(sources), "answer_cache_hit_rate": count["answer-cache"] / len(sources),
+            "seconds": seconds, "answers_per_s": len(sources) / seconds}
+
+
 def print_table(report: dict) -> None:
     print(f"{report['model']}, {report['threads']} threads, median of {report['runs']} runs; decode: "
           f"{DECODE_TOKENS} tokens after the question; at 0 document tokens {report['question_only_decode_tok_s']:.1f} tok/s")
@@ -151,6 +191,11 @@ def print_table(report: dict) -> None:
           f"up to {report['batch_new_tokens']} new tokens each)")
     for batch in report["batches"]:
         print(f"{batch['questions']:>10} {batch['answers_per_s']:>11.2f} {batch['tokens_per_s']:>10.1f}")
+    serving = report["serving"]
+    print(f"serving, {serving['requests']} requests in bursts of {serving['burst']} over {serving['distinct_questions']} "
+          f"questions of skewed popularity: computed {serving['computed']}, merged {serving['merged']} "
+          f"({serving['merge_rate']:.0%}), answer cache {serving['answer-cache']} ({serving['answer_cache_hit_rate']:.0%}); "
+          f"{serving['answers_per_s']:.2f} answers/s")
 
 
 def main(config: Config, args: argparse.Namespace) -> int:
@@ -169,6 +214,9 @@ def main(config: Config, args: argparse.Namespace) -> int:
     report = {"model": args.model, "fingerprint": loaded.fingerprint, "threads": torch.get_num_threads(),
               "runs": args.runs, **measure(engine, Path(config.corpus.manifest).parent / "fixed", args.runs,
                                             args.baseline)}
+    print("measuring the serving layer...", file=sys.stderr, flush=True)
+    batch_part = synthetic_part(engine, Path(config.corpus.manifest).parent / "fixed", BATCH_DOCUMENT_TOKENS)
+    report["serving"] = measure_serving(engine, engine.precompute(batch_part), config)
     print_table(report)
     saved = save_report("engine", report)
     if saved:
