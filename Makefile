@@ -40,6 +40,8 @@ DEMO_QUESTIONS ?= 6
 run: export CAGFLOW__CORPUS__MANIFEST = $(CURDIR)/corpus/manifest.yaml
 run: export CAGFLOW__SERVICE__PORT = $(API_PORT)
 run: export CAGFLOW__SERVICE__TRITON_URL = 127.0.0.1:$(TRITON_HTTP_PORT)
+run: export CAGFLOW__SERVICE__TRITON_GRPC_URL = 127.0.0.1:$(TRITON_GRPC_PORT)
+run: export CAGFLOW__SERVICE__TRITON_METRICS_URL = http://127.0.0.1:$(TRITON_METRICS_PORT)/metrics
 run: export CAGFLOW__PRECOMPUTE__TRITON_URL = 127.0.0.1:$(TRITON_HTTP_PORT)
 run: install
 	$(BIN)/cagflow opensearch up

@@ -27,6 +27,11 @@ def default_base_url(service: ServiceConfig) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{service.port}"
 
 
+def client_timeout_s(service: ServiceConfig) -> float:
+    """Long enough for a cache attempt that runs into Triton's timeout and is then answered by retrieval."""
+    return 2 * service.triton_timeout_s + 30
+
+
 class ApiError(Exception):
     """An error answer from the API (``status`` is its HTTP status) or no answer at all (status 0)."""
 

@@ -141,7 +141,7 @@ def _print_stream(events, as_json: bool) -> dict:
 
 def cmd_ask(args: argparse.Namespace, config: Config) -> int:
     """Ask the running API (``--local``: answer in this process instead)."""
-    from .api_client import ApiClient, ApiError, default_base_url
+    from .api_client import ApiClient, ApiError, client_timeout_s, default_base_url
     from .apikeys import read_local_credentials
 
     if args.local:
@@ -155,7 +155,7 @@ def cmd_ask(args: argparse.Namespace, config: Config) -> int:
     options = {"doc_id": args.doc_id, "top_k": args.top_k, "max_new_tokens": args.max_new_tokens}
     try:
         with ApiClient(url, credentials.api_key if credentials else None,
-                       timeout_s=config.service.triton_timeout_s) as client:
+                       timeout_s=client_timeout_s(config.service)) as client:
             if not args.stream:
                 record = client.query(args.question, **options)
                 print(json.dumps(record, indent=2, ensure_ascii=False) if args.json else record.get("answer", ""))

@@ -132,7 +132,7 @@ def run_demo(config: Config, questions: int, max_new_tokens: int, local: bool = 
     """Ask ``questions`` sample questions through the REST API; 0 when every one was answered."""
     if local:
         return run_local_demo(config, questions, max_new_tokens)
-    from .api_client import ApiClient, ApiError
+    from .api_client import ApiClient, ApiError, client_timeout_s
     from .apikeys import ApiKeyError, read_local_credentials
 
     api_url = _api_url(config)
@@ -145,8 +145,7 @@ def run_demo(config: Config, questions: int, max_new_tokens: int, local: bool = 
         print("cagflow demo: error: no local API key; create one with `cagflow keys init-local` "
               "(or set CAGFLOW_API_KEY)", file=sys.stderr)
         return 2
-    # Long enough for a cache attempt that runs into Triton's timeout and is then answered by retrieval.
-    client = ApiClient(api_url, credentials.api_key, timeout_s=2 * config.service.triton_timeout_s + 30)
+    client = ApiClient(api_url, credentials.api_key, timeout_s=client_timeout_s(config.service))
     try:
         client.health()
     except ApiError as exc:

@@ -103,6 +103,7 @@ class Router:
         # Support questions repeat: a repeated question skips the embedder (the largest cost of routing).
         self._question_vector = functools.lru_cache(maxsize=QUESTION_VECTORS)(embedder.encode_one)
         self._stop = threading.Event()
+        self._refresh_lock = threading.Lock()
         self._poller: threading.Thread | None = None
 
     @classmethod
@@ -148,7 +149,12 @@ class Router:
     def refresh(self, force: bool = False, rescan_scope: bool = False) -> Release | None:
         """Re-read the store's current release when its pointer moved (or ``force``), and reload the
         chunk vectors for scope detection when the release changed (or ``rescan_scope``: variable
-        documents change with every ingest). Failures keep the previous state and are logged."""
+        documents change with every ingest). Failures keep the previous state and are logged. One refresh
+        at a time: the poller, /v1/releases and /admin/reload may ask together."""
+        with self._refresh_lock:
+            return self._refresh(force, rescan_scope)
+
+    def _refresh(self, force: bool, rescan_scope: bool) -> Release | None:
         try:
             pointer = json.loads(self._timed_store(self.store.get, CURRENT_POINTER))["release_id"]
             if force or self._release is None or pointer != self._release.release_id:
@@ -173,7 +179,10 @@ class Router:
 
     def _poll(self) -> None:
         while not self._stop.wait(self.config.service.release_poll_s):
-            self.refresh(rescan_scope=True)
+            try:
+                self.refresh(rescan_scope=True)
+            except Exception:  # the poller must outlive any one bad release or index
+                log.exception("release poll failed; retrying in %g s", self.config.service.release_poll_s)
 
     def releases(self) -> dict[str, Any]:
         try:

@@ -73,12 +73,15 @@ class TritonClient:
                     raise TritonUnavailable(f"Triton at {self.base} unreachable: {type(exc).__name__}") from None
             except requests.Timeout:
                 raise TritonUnavailable(f"Triton at {self.base} did not answer within {timeout_s:g} s") from None
+            except requests.RequestException as exc:  # a broken or undecodable reply
+                raise TritonUnavailable(f"Triton at {self.base} failed: {type(exc).__name__}") from None
         try:
             payload = reply.json()
         except ValueError:
             payload = {"error": reply.text[:500]}
         if reply.status_code != 200:
-            raise TritonRejected(reply.status_code, str(payload.get("error", payload)))
+            raise TritonRejected(reply.status_code,
+                                 str(payload.get("error", payload) if isinstance(payload, dict) else payload))
         return payload
 
     def infer(self, model: str = ANSWER_MODEL, **values: Any) -> dict[str, Any]:
@@ -130,6 +133,7 @@ class TritonClient:
             inputs.append(tensor)
         client = grpcclient.InferenceServerClient(self.grpc_url)
         responses: queue.Queue = queue.Queue()
+        finished = False
         try:
             client.start_stream(callback=lambda result, error: responses.put((result, error)))
             try:
@@ -151,11 +155,13 @@ class TritonClient:
                 if response.outputs:
                     yield {output.name: _stream_value(result, output.name) for output in response.outputs}
                 if response.parameters["triton_final_response"].bool_param:
+                    finished = True
                     return
         except InferenceServerException as exc:
             raise _stream_error(exc, self.grpc_url) from None
         finally:
-            client.stop_stream()
+            # A timed-out or abandoned stream (the client went away) is cancelled, not waited for.
+            client.stop_stream(cancel_requests=not finished)
             client.close()
 
 
