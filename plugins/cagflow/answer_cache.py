@@ -26,8 +26,9 @@ COMPUTED, MERGED, ANSWER_CACHE = "computed", "merged", "answer-cache"
 
 
 def normalise_question(question: str) -> str:
-    """Questions that differ only in case or spacing share answers."""
-    return " ".join(question.split()).casefold()
+    """Questions that render the same prompt share answers: only the surrounding whitespace, which the
+    prompt drops, is ignored; case and inner spacing change the tokens, and so maybe the answer."""
+    return question.strip()
 
 
 def context_digest(passages: Any) -> str:
@@ -103,14 +104,16 @@ class AnswerCache(Generic[Value]):
         self.listener.on_answer(source, looked_up=self.max_entries > 0)
         return Claim(key, source, future)
 
-    def finish(self, claim: Claim[Value], value: Value | None = None, error: BaseException | None = None) -> None:
-        """The leader's result (or error) goes to every follower; a value is kept for later requests."""
+    def finish(self, claim: Claim[Value], value: Value | None = None, error: BaseException | None = None,
+               keep: bool = True) -> None:
+        """The leader's result (or error) goes to every follower; a value is kept for later requests unless
+        ``keep`` is false (it no longer matches its key)."""
         if not claim.leads:
             raise ValueError("only the request that leads a computation finishes it")
         if claim.key is not None:
             with self._lock:
                 self._running.pop(claim.key, None)
-                if error is None:
+                if error is None and keep:
                     self._keep(claim.key, value)
         if error is not None:
             claim.future.set_exception(error)

@@ -26,7 +26,7 @@ import re
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -289,8 +289,11 @@ class ResidentSet:
         self._resident: OrderedDict[str, _Resident] = OrderedDict()
         self._bytes = 0
         self._generation: _Generation | None = None
-        self._evicted_lock = threading.Lock()  # taken by finalizers, which may run while _lock is held
+        self._evicted_lock = threading.Lock()
         self._evicted_in_use = 0
+        # Bytes of evicted snapshots since freed. Finalizers only append here (atomic, no lock): they can run
+        # during any allocation on any thread, even one that holds a lock they would need.
+        self._freed: deque[int] = deque()
 
     # ---- release -----------------------------------------------------------------------------------
 
@@ -431,17 +434,16 @@ class ResidentSet:
         """Take a snapshot out of the resident set; its bytes count as evicted-in-use until the last
         request holding it lets go (at once when none does). Caller holds the lock."""
         self._bytes -= resident.nbytes
-        self._track_evicted(resident.nbytes)
-        weakref.finalize(resident.snapshot, self._track_evicted, -resident.nbytes).atexit = False
-
-    def _track_evicted(self, delta: int) -> None:
-        with self._evicted_lock:  # the listener is called under it, so it sees the totals in order
-            self._evicted_in_use += delta
-            self.listener.on_evicted_in_use(self._evicted_in_use)
+        with self._evicted_lock:
+            self._evicted_in_use += resident.nbytes
+        weakref.finalize(resident.snapshot, self._freed.append, resident.nbytes).atexit = False
+        self.listener.on_evicted_in_use(self.evicted_in_use_bytes)
 
     @property
     def evicted_in_use_bytes(self) -> int:
         with self._evicted_lock:
+            while self._freed:
+                self._evicted_in_use -= self._freed.popleft()
             return self._evicted_in_use
 
     # ---- preload and state -------------------------------------------------------------------------
@@ -484,9 +486,11 @@ class ResidentSet:
     def state(self) -> ResidentState:
         with self._lock:
             generation = self._generation
-            return ResidentState(generation.release.release_id if generation else None, list(self._resident),
-                                 self._bytes, dict(generation.quarantine) if generation else {},
-                                 self.evicted_in_use_bytes)
+            state = ResidentState(generation.release.release_id if generation else None, list(self._resident),
+                                  self._bytes, dict(generation.quarantine) if generation else {},
+                                  self.evicted_in_use_bytes)
+        self.listener.on_evicted_in_use(state.evicted_in_use_bytes)
+        return state
 
     def close(self) -> None:
         """Save the heat counts; resident snapshots are simply released with the process."""

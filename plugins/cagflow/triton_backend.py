@@ -205,6 +205,12 @@ class ServingListener(ResidentListener, AnswerCacheListener):
     def on_batch(self, size: int) -> None: ...
 
 
+def _matches(key: AnswerKey, served: "ServedAnswer") -> bool:
+    """Whether an answer was computed on the release its key names: a release switch between keying and
+    computing must not file a new release's answer under the old one (a rollback would serve it)."""
+    return served.release_id == key.release_id
+
+
 class CagService:
     """One process's answering state: the engine, the store, the resident snapshot set and the answers."""
 
@@ -299,7 +305,7 @@ class CagService:
                                        max_new_tokens=request.max_new_tokens):
             if isinstance(item, Answer):
                 served = self._served(item, acquired, request)
-                if key is not None:
+                if key is not None and _matches(key, served):
                     self.answers.store(key, served)
                 yield served
             else:
@@ -366,7 +372,8 @@ class CagService:
                 self.answers.finish(claim, error=exc)
             return
         for (request, claim, acquired), answer in zip(members, answers):
-            self.answers.finish(claim, self._served(answer, acquired, request))
+            served = self._served(answer, acquired, request)
+            self.answers.finish(claim, served, keep=claim.key is None or _matches(claim.key, served))
 
     # ---- releases ------------------------------------------------------------------------------------
 

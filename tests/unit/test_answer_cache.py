@@ -120,10 +120,12 @@ def test_size_zero_keeps_nothing_but_still_merges():
 
 def test_clear_forgets_answers_and_keys_separate_releases():
     cache: AnswerCache[str] = AnswerCache(8)
-    first = AnswerKey.of("release-1", "doc/1/abc", "  Which PORT does\tthe console use? ", 24)
-    assert first == AnswerKey.of("release-1", "doc/1/abc", "which port does the console use?", 24)
-    assert first != AnswerKey.of("release-2", "doc/1/abc", "which port does the console use?", 24)
-    assert first != AnswerKey.of("release-1", "doc/1/abc", "which port does the console use?", 25)
+    first = AnswerKey.of("release-1", "doc/1/abc", "  Which port does the console use?\n", 24)
+    assert first == AnswerKey.of("release-1", "doc/1/abc", "Which port does the console use?", 24)
+    assert first != AnswerKey.of("release-1", "doc/1/abc", "which PORT does the console use?", 24)  # other tokens
+    assert first != AnswerKey.of("release-1", "doc/1/abc", "Which port does  the console use?", 24)
+    assert first != AnswerKey.of("release-2", "doc/1/abc", "Which port does the console use?", 24)
+    assert first != AnswerKey.of("release-1", "doc/1/abc", "Which port does the console use?", 25)
     run(cache, first, lambda: "8443")
     assert cache.get(first) == "8443"
     cache.clear()
@@ -146,3 +148,10 @@ def test_requests_without_a_key_are_never_merged_or_kept():
     assert first.leads and second.leads and first.future is not second.future
     cache.finish(first, "a")
     assert len(cache) == 0
+
+
+def test_a_value_that_no_longer_matches_its_key_is_given_but_not_kept():
+    cache: AnswerCache[str] = AnswerCache(8)
+    claim = cache.claim("k")
+    cache.finish(claim, "computed on another release", keep=False)
+    assert claim.future.result() == "computed on another release" and cache.get("k") is None

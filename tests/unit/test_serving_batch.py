@@ -74,7 +74,7 @@ def test_a_batch_is_answered_in_one_pass_per_snapshot_with_one_at_a_time_tokens(
     key_a, key_b = (entry.key for entry in first.snapshots)
     context = (Passage("The web console listens on port 8443.", "Admin manual"),)
     requests = [AnswerRequest(question, key_a, request_id=f"a{n}") for n, question in enumerate(QUESTIONS)]
-    requests += [AnswerRequest("  which PORT does the web console use? ", key_a, request_id="dup"),
+    requests += [AnswerRequest(f"  {QUESTIONS[0]}\n", key_a, request_id="dup"),
                  AnswerRequest(QUESTIONS[0], key_b, request_id="b"),
                  AnswerRequest(QUESTIONS[0], context=context, request_id="ctx"),
                  AnswerRequest(QUESTIONS[1], key_a, max_new_tokens=3, request_id="short")]
