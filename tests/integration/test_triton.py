@@ -297,7 +297,7 @@ def test_identical_concurrent_questions_are_computed_once_then_kept(server, tiny
     assert grew("cagflow_answer_requests_total", after, before) == 8
     assert grew("cagflow_answer_cache_lookups_total", after, before) == 8
 
-    repeat = client.ask(server.http_url, "  how do I ROTATE the signing keys? ", entry.key, request_id="again")
+    repeat = client.ask(server.http_url, "  How do I rotate the signing keys?\n", entry.key, request_id="again")
     assert repeat["ANSWER_SOURCE"] == "answer-cache" and repeat["TOKEN_IDS"] == expected.token_ids
     assert repeat["REQUEST_ID"] == "again"
     assert grew("cagflow_answer_cache_hits_total", server.metrics_text(), after) == 1
