@@ -12,11 +12,12 @@ import statistics
 import time
 from pathlib import Path
 
-from cagflow.catalog import load_snapshot, plan_parts, precompute_part
 from cagflow.config import load_config
-from cagflow.engine import Engine
-from cagflow.manifest import CorpusManifest
-from cagflow.stores import open_store
+from cagflow.core.engine import Engine
+from cagflow.inference.resident import load_snapshot
+from cagflow.offline.precompute import plan_parts, precompute_part
+from cagflow.store.backends import open_store
+from cagflow.store.manifests import CorpusManifest
 
 QUESTION = "What is this document about, in one sentence?"
 

@@ -6,15 +6,15 @@ Runs at the configured low-peak cron (``precompute.schedule``); ``precompute.par
 computed at once. Trigger it with ``{"doc_ids": [...]}`` to process only some documents, or
 ``{"force": true}`` to recompute snapshots even when stored ones verify (a stored version is never
 overwritten). A backfill run processes the manifest as it stands: snapshots are versioned by document
-version, not by date, so it only fills in what is missing. The steps live in ``cagflow.pipeline``.
+version, not by date, so it only fills in what is missing. The steps live in ``cagflow.offline.pipeline``.
 """
 
 from datetime import datetime, timedelta, timezone
 
 from airflow.sdk import Asset, Param, dag, task
-
-from cagflow import pipeline
 from cagflow.config import load_config
+from cagflow.offline import pipeline
+from cagflow.offline.dag_tasks import ingest_documents
 
 FIXED_RELEASE = Asset(name="cagflow_fixed_release", uri="cagflow://releases/current")
 settings = load_config().precompute
@@ -35,30 +35,6 @@ settings = load_config().precompute
     doc_md=__doc__,
 )
 def cag_fixed_precompute():
-    @task(retries=0)
-    def load_manifest(params=None):
-        return pipeline.load_documents("fixed", params["doc_ids"])
-
-    @task(retries=0, show_return_value_in_logs=False)
-    def parse(documents):
-        return pipeline.parse_documents(documents)
-
-    @task(retries=0, show_return_value_in_logs=False)
-    def chunk(parsed):
-        return pipeline.chunk_documents(parsed)
-
-    @task(retries=0)
-    def validate_chunks(parsed, chunks):
-        return pipeline.check_chunks(parsed, chunks)
-
-    @task(show_return_value_in_logs=False)
-    def embed(chunks):
-        return pipeline.embed_chunks(chunks)
-
-    @task
-    def index(embedded, params=None):
-        return pipeline.index_chunks(embedded, "fixed", remove_unlisted=not params["doc_ids"])
-
     @task(show_return_value_in_logs=False)
     def plan_parts(params=None):
         return pipeline.plan_snapshot_parts(params["doc_ids"])
@@ -81,13 +57,8 @@ def cag_fixed_precompute():
     def request_serving_reload(release):
         return pipeline.request_serving_reload(release)
 
-    documents = load_manifest()
-    parsed = parse(documents)
-    chunks = chunk(parsed)
-    embedded = embed(chunks)
-    validate_chunks(parsed, chunks) >> embedded
     parts = plan_parts()
-    index(embedded) >> parts
+    ingest_documents("fixed") >> parts
     results = precompute.expand(part=parts)
     release = publish_release(results)
     validate_snapshots(results, parts) >> release

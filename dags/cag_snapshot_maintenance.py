@@ -2,15 +2,14 @@
 recent release references and that nobody could have read for a while (a dry run unless told otherwise).
 
 Runs at ``maintenance.schedule`` (weekly by default). Trigger with ``{"dry_run": false}`` to delete. When
-the active release does not verify, nothing is collected. The steps live in ``cagflow.pipeline``.
+the active release does not verify, nothing is collected. The steps live in ``cagflow.offline.pipeline``.
 """
 
 from datetime import datetime, timezone
 
 from airflow.sdk import Param, dag, task
-
-from cagflow import pipeline
 from cagflow.config import load_config
+from cagflow.offline import pipeline
 
 settings = load_config().maintenance
 

@@ -7,13 +7,12 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+import boto3
 import pytest
 import torch
 
-import boto3
-
 if TYPE_CHECKING:
-    from cagflow.services.seaweedfs import LocalSeaweedFS
+    from cagflow.devstack.seaweedfs import LocalSeaweedFS
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_MANIFEST = REPO / "corpus" / "manifest.yaml"
@@ -21,7 +20,7 @@ CORPUS_MANIFEST = REPO / "corpus" / "manifest.yaml"
 
 @pytest.fixture(scope="session")
 def real_model():
-    from cagflow.model import load_model
+    from cagflow.core.model import load_model
 
     return load_model("smollm2-135m")
 
@@ -30,9 +29,8 @@ def real_model():
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer Llama with random weights and SmolLM2's tokenizer and chat template: real tokenisation,
     grouped-query attention, and forward passes in milliseconds."""
+    from cagflow.core.model import resolve_model_dir
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from cagflow.model import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m")))
     torch.manual_seed(1234)
@@ -49,14 +47,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
-    from cagflow.model import load_model
+    from cagflow.core.model import load_model
 
     return load_model(str(tiny_model_dir))
 
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model):
-    from cagflow.engine import Engine
+    from cagflow.core.engine import Engine
 
     return Engine(tiny_model, max_context_tokens=4096, max_new_tokens=24)
 
@@ -68,7 +66,7 @@ def corpus_manifest_path() -> Path:
 
 @pytest.fixture(scope="session")
 def corpus():
-    from cagflow.manifest import CorpusManifest
+    from cagflow.store.manifests import CorpusManifest
 
     return CorpusManifest.load(CORPUS_MANIFEST)
 
@@ -77,7 +75,7 @@ def corpus():
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator["LocalSeaweedFS"]:
     """One real SeaweedFS for the session, started on first use; while it runs its credentials are the
     only ones in the environment (boto3's cached default session is reset so it sees them)."""
-    from cagflow.services.seaweedfs import LocalSeaweedFS
+    from cagflow.devstack.seaweedfs import LocalSeaweedFS
 
     server = LocalSeaweedFS(tmp_path_factory.mktemp("seaweedfs"), access_key=secrets.token_hex(10),
                             secret_key=secrets.token_hex(20))
@@ -93,7 +91,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator["LocalSeawee
 @pytest.fixture(scope="session")
 def opensearch_url(tmp_path_factory) -> Iterator[str]:
     """One real OpenSearch node for the session, started on first use; tests keep to their own indexes."""
-    from cagflow.services.opensearch import LocalOpenSearch
+    from cagflow.devstack.opensearch import LocalOpenSearch
 
     with LocalOpenSearch(tmp_path_factory.mktemp("opensearch")) as node:
         yield node.url
@@ -103,10 +101,10 @@ def opensearch_url(tmp_path_factory) -> Iterator[str]:
 def publish_first_parts(tiny_model, corpus):
     """``publish(store, max_new_tokens)``: the first part (~600 tokens) of each fixed document, precomputed
     with the tiny model and published as the active release; returns ``(engine, release)``."""
-    from cagflow.catalog import precompute_part
-    from cagflow.documents import parse_file
-    from cagflow.engine import Engine
-    from cagflow.manifest import Release, publish_release
+    from cagflow.core.documents import parse_file
+    from cagflow.core.engine import Engine
+    from cagflow.offline.precompute import precompute_part
+    from cagflow.store.manifests import Release, publish_release
 
     def publish(store, max_new_tokens: int):
         engine = Engine(tiny_model, max_context_tokens=900, max_new_tokens=max_new_tokens, question_budget_tokens=128)

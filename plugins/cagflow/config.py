@@ -15,12 +15,16 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .errors import CagflowError
+
 ENV_PREFIX = "CAGFLOW__"
 CACHE_HOME = Path(os.environ.get("CAGFLOW_HOME", Path.home() / ".cache" / "cagflow"))
 
 
-class ConfigError(ValueError):
+class ConfigError(CagflowError, ValueError):
     """Invalid configuration; the message names the offending key."""
+
+    code = "invalid_config"
 
 
 class _Section(BaseModel):
@@ -38,7 +42,7 @@ class ServiceConfig(_Section):
     triton_metrics_url: str | None = "http://127.0.0.1:8002/metrics"  # resident snapshots for /readyz; None: skip
     triton_timeout_s: float = Field(120.0, gt=0)
     retries: int = Field(1, ge=0, le=5)  # extra attempts on connection errors to Triton and OpenSearch
-    in_scope_threshold: float = Field(0.355, ge=-1.0, le=1.0)  # see cagflow.scope; `cagflow bench routing`
+    in_scope_threshold: float = Field(0.355, ge=-1.0, le=1.0)  # see cagflow.search.scope; `cagflow bench routing`
     api_keys_file: str = str(CACHE_HOME / "api-keys.json")  # hashed keys only, never the keys themselves
     rate_limit_per_s: float = Field(5.0, gt=0)  # per API key, token bucket refill
     rate_limit_burst: int = Field(20, ge=1)

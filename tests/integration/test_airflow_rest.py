@@ -10,10 +10,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-from cagflow.manifest import load_release
-from cagflow.services.airflow import LocalAirflow, main
-from cagflow.stores import LocalStore
+from cagflow.devstack.airflow import LocalAirflow, main
+from cagflow.store.backends import LocalStore
+from cagflow.store.manifests import load_release
 
 pytestmark = pytest.mark.integration
 

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from cagflow import pipeline
-from cagflow.manifest import (CorpusManifest, Release, ReleaseEntry, activate_release, list_releases, load_release,
-                              publish_release)
-from cagflow.model import model_fingerprint
-from cagflow.snapshot import SnapshotKey
-from cagflow.stores import LocalStore, S3Store
+from cagflow.core.keys import SnapshotKey
+from cagflow.core.model import model_fingerprint
+from cagflow.offline import pipeline
+from cagflow.store.backends import LocalStore, S3Store
+from cagflow.store.layout import snapshot_object
+from cagflow.store.manifests import (CorpusManifest, Release, ReleaseEntry, activate_release, list_releases,
+                                     load_release, publish_release)
 
 REPO = Path(__file__).resolve().parents[2]
 DAGS = REPO / "dags"
@@ -239,7 +239,7 @@ def test_a_failed_part_publishes_nothing_and_a_rerun_completes_it(use, tiny_mode
     store, _ = use()
     corpus = CorpusManifest.load(SAMPLE / "manifest.yaml")
     versions = {entry.doc_id: entry.version for entry in corpus.documents}
-    damaged = SnapshotKey(doc_ids[1], versions[doc_ids[1]], fingerprint16(tiny_model_dir)).object_name
+    damaged = snapshot_object(SnapshotKey(doc_ids[1], versions[doc_ids[1]], fingerprint16(tiny_model_dir)))
     store.put(damaged, b"half a snapshot")
 
     failed = run_dag("cag_fixed_precompute", {"doc_ids": doc_ids})
@@ -340,7 +340,7 @@ def test_an_empty_document_fails_validation_readably_and_publishes_nothing(use, 
 
 @pytest.fixture(scope="module")
 def seaweedfs(tmp_path_factory):
-    from cagflow.services.seaweedfs import LocalSeaweedFS
+    from cagflow.devstack.seaweedfs import LocalSeaweedFS
 
     server = LocalSeaweedFS(tmp_path_factory.mktemp("seaweedfs"), secrets.token_hex(10), secrets.token_hex(20))
     with server:
@@ -414,12 +414,12 @@ def test_a_superseded_snapshot_is_kept_until_unread_for_the_configured_days(tmp_
     published_at = time.time()
     for version, created_at in (("1.0.0", published_at - 30 * 86400), ("2.0.0", published_at)):
         key = SnapshotKey("guide", version, fingerprint[:16])
-        info = store.put(key.object_name, f"snapshot {version}".encode())
+        info = store.put(snapshot_object(key), f"snapshot {version}".encode())
         entry = ReleaseEntry(key=str(key), doc_id="guide", doc_version=version, part=None, n_tokens=3,
                              bytes=info.size, sha256=info.sha256, created_at=created_at)
         publish_release(store, Release(release_id=f"r-{version}", created_at=created_at,
                                        model_fingerprint=fingerprint, snapshots=[entry]))
-    old = SnapshotKey("guide", "1.0.0", fingerprint[:16]).object_name
+    old = snapshot_object(SnapshotKey("guide", "1.0.0", fingerprint[:16]))
 
     def doomed(days_later: float, keep: int = 1, unused_days: float = 7):
         plan = pipeline.plan_garbage(store, keep, unused_days, now=published_at + days_later * 86400)
@@ -452,7 +452,7 @@ def test_precompute_via_triton_without_an_address_fails_before_loading_anything(
 @pytest.fixture(scope="module")
 def triton(tiny_model_dir, tmp_path_factory):
     """Triton with the answering and precompute models, on the tiny model and a store of its own."""
-    from cagflow.services.triton import LocalTriton
+    from cagflow.devstack.triton import LocalTriton
 
     store = tmp_path_factory.mktemp("triton-store")
     environment = {"CAGFLOW__MODEL__PATH": str(tiny_model_dir), "CAGFLOW__CACHE__STATE_STORE": f"file://{store}"}
@@ -463,7 +463,7 @@ def triton(tiny_model_dir, tmp_path_factory):
 
 @integration
 def test_precompute_delegated_to_triton_then_serving_switches_to_the_release(triton, use, monkeypatch, tmp_path):
-    from cagflow.services.triton import DEFAULT_MODEL_REPOSITORY
+    from cagflow.devstack.triton import DEFAULT_MODEL_REPOSITORY
 
     server, triton_store = triton
     doc_ids = ["support-faq", "data-retention-backup-guide"]

@@ -3,9 +3,8 @@ token-identical to the full prompt, and the logits agree."""
 
 import pytest
 import torch
-
-from cagflow.documents import parse_file
-from cagflow.engine import Answer, Engine
+from cagflow.core.documents import parse_file
+from cagflow.core.engine import Answer, Engine
 
 QUESTIONS = ["Which port does the web console use?", "How long are backups kept?",
              "Who can approve an emergency change?"]

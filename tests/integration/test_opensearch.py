@@ -5,10 +5,9 @@ import time
 import uuid
 
 import pytest
-
-from cagflow.embeddings import get_embedder
-from cagflow.retrieval import Chunk, ChunkIndex, Fusion, RetrievalError, RetrievalUnavailable, SearchMode
-from cagflow.services.opensearch import PLUGIN_NAMES, LocalOpenSearch, free_port
+from cagflow.devstack.opensearch import PLUGIN_NAMES, LocalOpenSearch, free_port
+from cagflow.search.embeddings import get_embedder
+from cagflow.search.retrieval import Chunk, ChunkIndex, Fusion, RetrievalError, RetrievalUnavailable, SearchMode
 
 pytestmark = pytest.mark.integration
 

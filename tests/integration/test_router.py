@@ -17,14 +17,13 @@ from contextlib import ExitStack
 
 import pytest
 import requests
-
-from cagflow import pipeline
-from cagflow.apikeys import ApiKeyStore
 from cagflow.config import Config, load_config
+from cagflow.devstack.process import ServerProcess, free_port, hold_port
+from cagflow.devstack.triton import LocalTriton
+from cagflow.offline import pipeline
 from cagflow.router import create_app
-from cagflow.services.process import ServerProcess, free_port, hold_port
-from cagflow.services.triton import LocalTriton
-from cagflow.stores import LocalStore
+from cagflow.router.apikeys import ApiKeyStore
+from cagflow.store.backends import LocalStore
 
 pytestmark = pytest.mark.integration
 

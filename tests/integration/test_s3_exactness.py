@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-
-from cagflow.catalog import load_snapshot, store_snapshot
 from cagflow.config import S3Config
-from cagflow.documents import parse_file
-from cagflow.engine import Engine
-from cagflow.stores import LocalStore, open_store
+from cagflow.core.documents import parse_file
+from cagflow.core.engine import Engine
+from cagflow.inference.resident import load_snapshot
+from cagflow.offline.precompute import store_snapshot
+from cagflow.store.backends import LocalStore, open_store
 
 pytestmark = pytest.mark.integration
 

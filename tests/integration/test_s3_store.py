@@ -16,17 +16,9 @@ from pathlib import Path
 
 import boto3
 import pytest
-
 from cagflow.config import S3Config
-from cagflow.services.seaweedfs import LocalSeaweedFS
-from cagflow.stores import (
-    AlreadyExists,
-    ChecksumMismatch,
-    NotFound,
-    S3Store,
-    StoreUnavailable,
-    open_store,
-)
+from cagflow.devstack.seaweedfs import LocalSeaweedFS
+from cagflow.store.backends import AlreadyExists, ChecksumMismatch, NotFound, S3Store, StoreUnavailable, open_store
 
 pytestmark = pytest.mark.integration
 

@@ -4,11 +4,10 @@ import uuid
 
 import numpy as np
 import pytest
-
-from cagflow.embeddings import get_embedder
-from cagflow.qa import QAItem
-from cagflow.retrieval import Chunk, ChunkIndex
-from cagflow.scope import NO_MATCH_SCORE, ScopeDetector, ScopeMatch, calibrate, evaluate
+from cagflow.core.qa import QAItem
+from cagflow.search.embeddings import get_embedder
+from cagflow.search.retrieval import Chunk, ChunkIndex
+from cagflow.search.scope import NO_MATCH_SCORE, ScopeDetector, ScopeMatch, calibrate, evaluate
 
 CHUNKS = [
     Chunk("leave-1", "hr-handbook", "Full-time employees receive 25 days of paid annual leave per calendar year.",

@@ -7,14 +7,13 @@ import sys
 import urllib.request
 
 import pytest
-
-from cagflow.services.opensearch import free_port
+from cagflow.devstack.opensearch import free_port
 
 pytestmark = pytest.mark.integration
 
 
 def cagflow(env, *args):
-    return subprocess.run([sys.executable, "-m", "cagflow.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cagflow.client.cli", *args], env=env, capture_output=True, text=True,
                           timeout=300)
 
 

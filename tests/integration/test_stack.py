@@ -11,16 +11,15 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-
-from cagflow.demo import percentile, pick_mixed_questions
-from cagflow.services.process import HOST, free_ports
-from cagflow.services.triton import TritonError, choose_ports
+from cagflow.client.demo import percentile, pick_mixed_questions
+from cagflow.devstack.process import HOST, free_ports
+from cagflow.devstack.triton import TritonError, choose_ports
 
 QA_PATH = Path(__file__).resolve().parents[2] / "corpus" / "qa.jsonl"
 
 
 def cagflow(env, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "cagflow.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cagflow.client.cli", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 

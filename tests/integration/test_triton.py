@@ -13,15 +13,15 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from cagflow.core.documents import parse_file
+from cagflow.core.engine import Engine
+from cagflow.core.prompt import Passage
+from cagflow.devstack.triton import DEFAULT_MODEL_REPOSITORY, LocalTriton
+from cagflow.inference.resident import load_snapshot
+from cagflow.offline.precompute import precompute_part
+from cagflow.store.backends import LocalStore
+from cagflow.store.manifests import Release, ReleaseEntry, publish_release
 from tritonclient.utils import InferenceServerException
-
-from cagflow.catalog import load_snapshot, precompute_part
-from cagflow.documents import parse_file
-from cagflow.engine import Engine
-from cagflow.manifest import Release, ReleaseEntry, publish_release
-from cagflow.prompt import Passage
-from cagflow.services.triton import DEFAULT_MODEL_REPOSITORY, LocalTriton
-from cagflow.stores import LocalStore
 
 pytestmark = pytest.mark.integration
 

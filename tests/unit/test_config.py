@@ -1,5 +1,4 @@
 import pytest
-
 from cagflow.config import ConfigError, load_config, read_secret
 
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ServiceConfig
-from ..snapshot import validate_doc_id
+from ..core.keys import validate_doc_id
+from ..errors import CagflowError
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 QUERY_FIELDS = frozenset({"question", "doc_id", "top_k", "max_new_tokens", "stream"})
@@ -22,7 +23,7 @@ MAX_TOP_K = 50
 MAX_NEW_TOKENS = 4096
 
 
-class ApiError(Exception):
+class ApiError(CagflowError):
     """An error the client is told about as ``{"error": {"code", "message"}, "request_id"}``."""
 
     def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None):

@@ -21,10 +21,10 @@ from flask import Flask, Response, g, request, stream_with_context
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 
-from ..apikeys import ApiKey, ApiKeyError, ApiKeyStore
 from ..config import Config, load_config
 from . import metrics
 from .access import ApiError, ConcurrencyGate, RateLimiter, parse_query, parse_reload, request_id_from
+from .apikeys import ApiKey, ApiKeyError, ApiKeyStore
 from .routing import Router, triton_failure
 from .triton_client import TritonRejected, TritonUnavailable
 

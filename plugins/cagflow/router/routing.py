@@ -27,11 +27,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..config import Config
-from ..embeddings import Embedder, get_embedder
-from ..manifest import CURRENT_POINTER, Release, activate_release, list_releases, load_release
-from ..retrieval import ChunkIndex, RetrievalError, RetrievalUnavailable, SearchHit
-from ..scope import ScopeDetector
-from ..stores import NotFound, SnapshotStore, StoreError, open_store
+from ..search.embeddings import Embedder, get_embedder
+from ..search.retrieval import ChunkIndex, RetrievalError, RetrievalUnavailable, SearchHit
+from ..search.scope import ScopeDetector
+from ..store.backends import NotFound, SnapshotStore, StoreError, open_store
+from ..store.layout import CURRENT_POINTER
+from ..store.manifests import Release, activate_release, list_releases, load_release
 from . import metrics
 from .access import ApiError, Query
 from .triton_client import TritonClient, TritonRejected, TritonUnavailable
@@ -52,16 +53,23 @@ class Plan:
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
+# The serving side's error codes (``cagflow.errors``) that mean the snapshot cannot be used right now.
+SNAPSHOT_CORRUPT = frozenset({"snapshot_corrupt", "checksum_mismatch", "snapshot_format"})
+SNAPSHOT_UNAVAILABLE = frozenset({"snapshot_missing", "snapshot_mismatch", "snapshot_unusable", "snapshot_not_in_release",
+                                  "no_active_release", "release_mismatch", "invalid_manifest", "store_unavailable",
+                                  "store_failed", "not_found"})
+
+
 def fallback_reason(error: Exception) -> str:
-    """Why the cache route failed, in the words clients and dashboards see."""
+    """Why the cache route failed, in the words clients and dashboards see; from the serving side's error
+    code (or Triton's status when it sent none), never from a message's wording."""
     if isinstance(error, TritonUnavailable):
         return "triton_unavailable"
-    message = getattr(error, "message", str(error)).lower()
-    if "corrupt" in message:
-        return "snapshot_corrupt"
-    if isinstance(error, TritonRejected) and (error.status in (404, 503) or "not in release" in message
-                                              or "no snapshot" in message or "quarantined" in message):
-        return "snapshot_unavailable"
+    if isinstance(error, TritonRejected):
+        if error.reason in SNAPSHOT_CORRUPT:
+            return "snapshot_corrupt"
+        if error.reason in SNAPSHOT_UNAVAILABLE or (error.reason is None and error.status in (404, 503)):
+            return "snapshot_unavailable"
     return "triton_error"
 
 

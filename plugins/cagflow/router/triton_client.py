@@ -17,6 +17,7 @@ import numpy as np
 import requests
 from requests.adapters import HTTPAdapter
 
+from ..errors import CagflowError, split_code
 from . import metrics
 
 ANSWER_MODEL = "cag_llm"
@@ -24,17 +25,23 @@ STREAM_MODEL = "cag_llm_stream"
 _INPUT_TYPES = {str: "BYTES", int: "INT32", bool: "BOOL"}
 
 
-class TritonUnavailable(Exception):
+class TritonUnavailable(CagflowError):
     """Triton could not be reached (refused, timed out, or not serving the model)."""
 
+    code = "triton_unavailable"
 
-class TritonRejected(Exception):
+
+class TritonRejected(CagflowError):
     """Triton answered with an error: ``status`` is its HTTP status (400, 404, 503, 500)."""
 
+    code = "triton_error"
+
     def __init__(self, status: int, message: str):
+        reason, message = split_code(message)
         super().__init__(message)
         self.status = status
         self.message = message
+        self.reason = reason  # the serving side's error code (``cagflow.errors``), when it sent one
 
 
 def _inputs(values: dict[str, Any]) -> list[dict[str, Any]]:

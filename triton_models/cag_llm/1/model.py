@@ -1,9 +1,8 @@
 """Triton Python backend model ``cag_llm``: answers from a resident KV-cache snapshot, retrieved passages
-or the question alone; ``ACTION=reload`` switches releases. The logic lives in ``cagflow.triton_backend``."""
+or the question alone; ``ACTION=reload`` switches releases. The logic lives in ``cagflow.inference``."""
 
 import triton_python_backend_utils as pb_utils
-
-from cagflow import triton_backend as tb
+from cagflow.inference import triton as tb
 
 
 class TritonPythonModel:

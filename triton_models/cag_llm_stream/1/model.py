@@ -1,12 +1,12 @@
 """Triton Python backend model ``cag_llm_stream`` (decoupled): streams an answer's text as it is decoded,
-then sends the final record; ``ACTION=reload`` switches releases. The logic lives in ``cagflow.triton_backend``."""
+then sends the final record; ``ACTION=reload`` switches releases. The logic lives in ``cagflow.inference``."""
 
 import asyncio
 from contextlib import aclosing
 
 import triton_python_backend_utils as pb_utils
-
-from cagflow import triton_backend as tb
+from cagflow.inference import triton as tb
+from cagflow.inference.concurrency import iterate_in_thread
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -25,13 +25,11 @@ class TritonPythonModel:
         request_id = request.request_id()
         try:
             if tb.read_action(pb_utils, request) == "reload":
-                release_id = tb.input_text(pb_utils, request, "RELEASE_ID") or None
-                result = await tb.in_thread(self.serving.pool, self.serving.service.reload, release_id)
-                sender.send(pb_utils.InferenceResponse(output_tensors=tb.reload_outputs(pb_utils, result)), flags=FINAL)
+                sender.send(await self.serving.reload_response(pb_utils, request), flags=FINAL)
                 return
             question = tb.read_answer_request(pb_utils, request)
             request_id = question.request_id
-            stream = tb.iterate_in_thread(self.serving.pool, lambda: self.serving.service.stream(question))
+            stream = iterate_in_thread(self.serving.pool, lambda: self.serving.service.stream(question))
             async with aclosing(stream) as items:
                 async for item in items:
                     if sender.is_cancelled():

@@ -1,21 +1,23 @@
-"""Triton Python backend model ``cag_precompute``: computes and stores a document's snapshots.
-The logic lives in ``cagflow.triton_backend`` and ``cagflow.catalog``."""
+"""Triton Python backend model ``cag_precompute``: computes and stores a document's snapshots on serving
+hardware. The logic lives in ``cagflow.offline.precompute``; ``cagflow.inference.triton`` reads and writes
+the tensors."""
 
 import logging
 import time
 
 import triton_python_backend_utils as pb_utils
-
-from cagflow import triton_backend as tb
+from cagflow.inference import triton as tb
+from cagflow.inference.service import Runtime
+from cagflow.offline.precompute import precompute_document
 
 log = logging.getLogger("cagflow.precompute")
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.settings = tb.ServingSettings.from_triton(args)
+        self.settings = tb.settings_from_args(args)
         tb.configure_logging(self.settings.instance_name)
-        self.runtime = tb.Runtime.load(self.settings)
+        self.runtime = Runtime.load(self.settings)
         log.info("ready: model %s, store %s", self.runtime.engine.fingerprint[:16], self.runtime.store.url)
 
     def execute(self, requests):
@@ -25,7 +27,8 @@ class TritonPythonModel:
             try:
                 document = tb.read_document_request(pb_utils, request)
                 started = time.perf_counter()
-                results = tb.precompute_document(self.runtime.engine, self.runtime.store, document)
+                results = precompute_document(self.runtime.engine, self.runtime.store, document.doc_id,
+                                              document.doc_version, document.parse(), document.force)
                 seconds = time.perf_counter() - started
                 log.info("%s %s: %d parts (%d new) in %.1f s", document.doc_id, document.doc_version, len(results),
                          sum(not r.skipped for r in results), seconds)

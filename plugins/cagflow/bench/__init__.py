@@ -1,0 +1,1 @@
+"""Benchmarks behind ``cagflow bench``: reported and saved, never asserted."""

@@ -1,0 +1,132 @@
+"""`cagflow bench retrieval` and `cagflow bench routing`: recall of the search modes, and in-scope detection
+per threshold with its calibration. Measured and reported, never asserted."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from ..config import Config
+from ..core.qa import QAItem, load_qa
+
+RECALL_KS = (1, 3, 5, 8)
+ROUTING_THRESHOLDS = (0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6)
+RETRIEVAL_SETUPS = (("bm25", "bm25", None), ("vector", "vector", None), ("hybrid min-max", "hybrid", "min_max"),
+                    ("hybrid rrf", "hybrid", "rrf"))
+
+
+def _index_corpus(config: Config, index_name: str):
+    """Both tiers parsed, chunked and embedded as the pipeline does it, into a fresh index of their own
+    (OpenSearch is asked first, so a missing node fails before the slow embedding)."""
+    from ..offline import pipeline
+    from ..search.retrieval import ChunkIndex
+
+    index = ChunkIndex(config.retrieval.endpoint, index_name, top_k=max(RECALL_KS),
+                       timeout_s=config.retrieval.timeout_s)
+    index.describe()
+    embedded = []
+    for tier in ("fixed", "variable"):
+        parsed = pipeline.parse_documents(pipeline.load_documents(tier, config=config))
+        embedded += pipeline.embed_chunks(pipeline.chunk_documents(parsed, config))
+    index.rebuild(pipeline.index_records(embedded))
+    return index, len(embedded)
+
+
+def _first_relevant_rank(hits, item: QAItem, answer_bearing: bool) -> int | None:
+    """1-based rank of the first hit from the answering document (that also holds every keyword, when
+    ``answer_bearing``), or None."""
+    for rank, hit in enumerate(hits, start=1):
+        if hit.doc_id == item.doc_id and (not answer_bearing or item.is_correct(hit.text)):
+            return rank
+    return None
+
+
+def retrieval_recall(config: Config, qa_path: Path) -> dict:
+    """recall@k of BM25, vector and hybrid search on the sample questions that a document answers."""
+    items = [item for item in load_qa(qa_path) if item.doc_id]
+    index, n_chunks = _index_corpus(config, f"{config.retrieval.index}-bench")
+    backend = index.describe()
+    results = {}
+    try:
+        index.search("warm up", mode="hybrid")  # creates the search pipeline outside the timings
+        for label, mode, fusion in RETRIEVAL_SETUPS:
+            document_ranks, answer_ranks, latencies = [], [], []
+            for item in items:
+                started = time.perf_counter()
+                hits = index.search(item.question, mode=mode, fusion=fusion, top_k=max(RECALL_KS))
+                latencies.append(time.perf_counter() - started)
+                document_ranks.append(_first_relevant_rank(hits, item, answer_bearing=False))
+                answer_ranks.append(_first_relevant_rank(hits, item, answer_bearing=True))
+            results[label] = {
+                "document_recall": {k: sum(r is not None and r <= k for r in document_ranks) / len(items)
+                                    for k in RECALL_KS},
+                "answer_chunk_recall": {k: sum(r is not None and r <= k for r in answer_ranks) / len(items)
+                                        for k in RECALL_KS},
+                "p50_ms": statistics.median(latencies) * 1000,
+            }
+    finally:
+        index.close()
+    return {"questions": len(items), "chunks": n_chunks, "opensearch": backend.version,
+            "hybrid_runs_on": {fusion: index.hybrid_runs_on(fusion) for fusion in ("min_max", "rrf")},
+            "results": results}
+
+
+def print_retrieval_table(report: dict) -> None:
+    print(f"{report['questions']} questions answered by a document, {report['chunks']} chunks, "
+          f"OpenSearch {report['opensearch']}, hybrid runs {report['hybrid_runs_on']}")
+    header = "".join(f"  R@{k:<4}" for k in RECALL_KS)
+    print(f"{'mode':<16}{'document recall':<{len(header)}}  |{'answer-chunk recall':<{len(header)}}  | p50 ms")
+    print(f"{'':<16}{header}  |{header}  |")
+    for label, row in report["results"].items():
+        docs = "".join(f"  {row['document_recall'][k]:<6.2f}" for k in RECALL_KS)
+        answers = "".join(f"  {row['answer_chunk_recall'][k]:<6.2f}" for k in RECALL_KS)
+        print(f"{label:<16}{docs}  |{answers}  | {row['p50_ms']:.1f}")
+
+
+def routing_calibration(config: Config, qa_path: Path) -> dict:
+    """In-scope detection on every sample question: metrics per threshold and the calibrated threshold."""
+    from dataclasses import asdict
+
+    from ..search.scope import ScopeDetector, calibrate, evaluate
+
+    items = load_qa(qa_path)
+    index, n_chunks = _index_corpus(config, f"{config.retrieval.index}-bench")
+    try:
+        detector = ScopeDetector(index, config.service.in_scope_threshold)
+        cacheable = detector.refresh()
+        vectors = index.embedder.encode([item.question for item in items])
+        latencies, matches = [], []
+        for vector in vectors:
+            started = time.perf_counter()
+            matches.append(detector.match(vector))
+            latencies.append(time.perf_counter() - started)
+    finally:
+        index.close()
+    calibration = calibrate(items, matches)
+    thresholds = sorted({*ROUTING_THRESHOLDS, config.service.in_scope_threshold, calibration.threshold})
+    misrouted = [{"id": item.id, "in_scope": item.in_scope, "doc_id": item.doc_id, "matched_doc_id": match.doc_id,
+                  "score": round(match.score, 4), "other_score": round(match.other_score, 4)}
+                 for item, match in zip(items, matches)
+                 if match.routes_to_cache(calibration.threshold) != item.in_scope]
+    return {"questions": len(items), "in_scope_questions": sum(item.in_scope for item in items),
+            "chunks": n_chunks, "cacheable_chunks": cacheable,
+            "configured_threshold": config.service.in_scope_threshold,
+            "match_p50_us": statistics.median(latencies) * 1e6,
+            "thresholds": [asdict(evaluate(items, matches, threshold)) for threshold in thresholds],
+            "calibration": calibration.to_dict(), "misrouted_at_calibrated": misrouted}
+
+
+def print_routing_table(report: dict) -> None:
+    calibration = report["calibration"]
+    print(f"{report['questions']} questions ({report['in_scope_questions']} in scope), {report['chunks']} chunks "
+          f"({report['cacheable_chunks']} cacheable), match p50 {report['match_p50_us']:.0f} µs")
+    print(f"{'threshold':<12}{'precision':>10}{'recall':>8}{'F1':>8}{'doc acc':>9}{'to cache':>10}")
+    for row in report["thresholds"]:
+        marks = "".join(mark for value, mark in ((calibration["threshold"], "  ← calibrated"),
+                                                 (report["configured_threshold"], "  ← configured"))
+                        if row["threshold"] == value)
+        print(f"{row['threshold']:<12.3f}{row['precision']:>10.3f}{row['recall']:>8.3f}{row['f1']:>8.3f}"
+              f"{row['doc_accuracy']:>9.3f}{row['routed_to_cache']:>10}{marks}")
+    print(f"calibrated threshold {calibration['threshold']:.3f} ({calibration['rule']}); "
+          f"{len(report['misrouted_at_calibrated'])} questions misrouted there")

@@ -1,0 +1,208 @@
+"""A small client for the CAGFlow REST API, used by ``cagflow ask`` and by applications.
+
+Every failure comes back as one exception, ``ApiError``: the API's own error body
+(``{"error": {"code", "message"}, "request_id"}``) when it sent one, status 0 and code ``unreachable``
+when no HTTP answer came at all. Streamed answers are Server-Sent Events, parsed here as the HTML
+specification defines them (multi-line data, comments, event names, ids).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+import requests
+
+from ..errors import CagflowError
+
+if TYPE_CHECKING:
+    from ..config import ServiceConfig
+
+USER_AGENT = "cagflow-api-client"
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def default_base_url(service: ServiceConfig) -> str:
+    """Where a client on this machine reaches the configured API (a wildcard bind is reached on 127.0.0.1)."""
+    host = "127.0.0.1" if service.host in WILDCARD_HOSTS else service.host
+    return f"http://{f'[{host}]' if ':' in host else host}:{service.port}"
+
+
+def client_timeout_s(service: ServiceConfig) -> float:
+    """Long enough for a cache attempt that runs into Triton's timeout and is then answered by retrieval."""
+    return 2 * service.triton_timeout_s + 30
+
+
+class ApiError(CagflowError):
+    """An error answer from the API (``status`` is its HTTP status) or no answer at all (status 0)."""
+
+    def __init__(self, status: int, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        where = f" (request {self.request_id})" if self.request_id else ""
+        status = f"HTTP {self.status} " if self.status else ""
+        return f"{status}{self.code}: {self.message}{where}"
+
+
+@dataclass(frozen=True)
+class ServerSentEvent:
+    event: str
+    data: str
+    id: str | None = None
+
+
+def parse_sse(lines: Iterable[str]) -> Iterator[ServerSentEvent]:
+    """Events from the decoded lines of an ``text/event-stream`` body (line terminators removed).
+
+    A blank line ends an event; ``data`` lines accumulate, joined by newlines; lines starting with ``:``
+    are comments (keep-alives); an event without data is dropped, as a browser drops it.
+    """
+    event, data, last_id = "", [], None
+    for line in lines:
+        if not line:
+            if data:
+                yield ServerSentEvent(event or "message", "\n".join(data), last_id)
+            event, data = "", []
+            continue
+        if line.startswith(":"):
+            continue
+        field, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "event":
+            event = value
+        elif field == "data":
+            data.append(value)
+        elif field == "id" and "\0" not in value:
+            last_id = value
+    if data:  # a stream cut before its final blank line: the partial event is still worth reporting
+        yield ServerSentEvent(event or "message", "\n".join(data), last_id)
+
+
+def _error_from(response: requests.Response) -> ApiError:
+    """The API's error body, or a description of whatever else answered (a proxy's HTML page...)."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    request_id = response.headers.get("X-Request-ID")
+    if isinstance(error, dict):
+        return ApiError(response.status_code, str(error.get("code", "error")), str(error.get("message", "")),
+                        body.get("request_id") or request_id)
+    snippet = " ".join(response.text.split())[:200]
+    return ApiError(response.status_code, "unexpected_response",
+                    f"{response.reason or 'error'} from {response.url}: {snippet or '(empty body)'}", request_id)
+
+
+class ApiClient:
+    """One keep-alive session to the API; share an instance across calls (not across processes)."""
+
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float = 120) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._session = requests.Session()
+        self._session.headers["User-Agent"] = USER_AGENT
+        if api_key:
+            self._session.headers["Authorization"] = f"Bearer {api_key}"
+
+    def close(self) -> None:
+        self._session.close()
+
+    def __enter__(self) -> ApiClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **arguments: Any) -> requests.Response:
+        url = f"{self.base_url}{path}"
+        try:
+            return self._session.request(method, url, timeout=self.timeout_s, **arguments)
+        except requests.Timeout:
+            raise ApiError(0, "timeout", f"no answer from {url} within {self.timeout_s:g} s") from None
+        except requests.RequestException as exc:
+            raise ApiError(0, "unreachable", f"cannot reach {url}: {_root_cause(exc)}") from None
+
+    def _json(self, response: requests.Response) -> dict:
+        try:
+            body = response.json()
+        except ValueError:
+            raise _error_from(response) from None
+        if not isinstance(body, dict):
+            raise _error_from(response)
+        return body
+
+    @staticmethod
+    def _query_body(question: str, doc_id: str | None, top_k: int | None, max_new_tokens: int | None,
+                    stream: bool) -> dict[str, Any]:
+        return {"question": question, "doc_id": doc_id, "top_k": top_k, "max_new_tokens": max_new_tokens,
+                "stream": stream}
+
+    def query(self, question: str, doc_id: str | None = None, top_k: int | None = None,
+              max_new_tokens: int | None = None) -> dict:
+        """The answer record of ``POST /v1/query``."""
+        response = self._request("POST", "/v1/query",
+                                 json=self._query_body(question, doc_id, top_k, max_new_tokens, stream=False))
+        if not response.ok:
+            raise _error_from(response)
+        return self._json(response)
+
+    def stream(self, question: str, doc_id: str | None = None, top_k: int | None = None,
+               max_new_tokens: int | None = None) -> Iterator[dict]:
+        """The streamed answer as ``{"event", "data", "id"}`` dicts, ``data`` decoded from JSON when it is
+        JSON; an ``error`` event raises ``ApiError``."""
+        response = self._request("POST", "/v1/query", stream=True,
+                                 headers={"Accept": "text/event-stream"},
+                                 json=self._query_body(question, doc_id, top_k, max_new_tokens, stream=True))
+        with response:
+            if not response.ok:
+                raise _error_from(response)
+            if not response.headers.get("Content-Type", "").startswith("text/event-stream"):
+                raise ApiError(response.status_code, "unexpected_response",
+                               f"expected an event stream from {response.url}, got "
+                               f"{response.headers.get('Content-Type') or 'no content type'}")
+            response.encoding = "utf-8"
+            try:
+                for event in parse_sse(response.iter_lines(decode_unicode=True)):
+                    yield _decoded(event, response.headers.get("X-Request-ID"))
+            except requests.RequestException as exc:
+                raise ApiError(0, "stream_interrupted", f"the answer stream broke off: {_root_cause(exc)}") from None
+
+    def health(self) -> dict:
+        response = self._request("GET", "/healthz")
+        if not response.ok:
+            raise _error_from(response)
+        return self._json(response)
+
+    def ready(self) -> tuple[int, dict]:
+        """Readiness as (HTTP status, body): 503 is an answer here, not an error."""
+        response = self._request("GET", "/readyz")
+        if response.status_code not in (200, 503):
+            raise _error_from(response)
+        return response.status_code, self._json(response)
+
+
+def _decoded(event: ServerSentEvent, request_id: str | None) -> dict:
+    try:
+        data: Any = json.loads(event.data)
+    except ValueError:
+        data = event.data
+    error = data.get("error") if isinstance(data, dict) else None
+    if event.event == "error" or isinstance(error, dict):
+        details = error if isinstance(error, dict) else {"message": event.data}
+        raise ApiError(200, str(details.get("code", "error")), str(details.get("message", "")),
+                       (data.get("request_id") if isinstance(data, dict) else None) or request_id)
+    return {"event": event.event, "data": data, "id": event.id}
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost reason ("Connection refused") instead of urllib3's nested wrappers."""
+    while error.__context__ is not None or error.__cause__ is not None:
+        error = error.__cause__ or error.__context__
+    return getattr(error, "strerror", None) or str(error)

@@ -1,0 +1,397 @@
+"""The ``cagflow`` command: precompute snapshots, serve and ask the API, manage API keys and releases, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..config import Config, load_config
+
+
+def _store(config: Config, url: str | None):
+    from ..store.backends import open_store
+
+    return open_store(url or config.cache.state_store, config.cache.s3)
+
+
+def _engine(config: Config):
+    from ..core.engine import Engine
+
+    return Engine.from_config(config.model)
+
+
+def cmd_precompute(args: argparse.Namespace, config: Config) -> int:
+    from .console import precompute_with_progress
+
+    store = _store(config, args.store)
+    store.ping()
+    precompute_with_progress(_engine(config), store, args.manifest or config.corpus.manifest, args.doc_id,
+                             args.force, args.quiet)
+    return 0
+
+
+def _pick_document(config: Config, question: str) -> str:
+    """Without --doc-id: the fixed document sharing most words with the question."""
+    from ..core.documents import parse_file
+    from ..core.engine import best_part
+    from ..store.manifests import CorpusManifest
+
+    manifest = CorpusManifest.load(config.corpus.manifest)
+    fixed = manifest.tier("fixed")
+    texts = [parse_file(manifest.file(e), e.title).render() for e in fixed]
+    return fixed[best_part(question, texts)].doc_id
+
+
+def cmd_ask_local(args: argparse.Namespace, config: Config) -> int:
+    """In this process, without the API: the snapshot of one fixed document, or the full prompt."""
+    from ..inference.resident import snapshot_for_question
+    from ..store.manifests import load_release
+
+    store = _store(config, args.store)
+    release = load_release(store)
+    doc_id = args.doc_id or _pick_document(config, args.question)
+    if doc_id not in release.doc_ids:
+        raise ValueError(f"document {doc_id!r} is not in the active release {release.release_id} "
+                         f"(known: {', '.join(release.doc_ids)})")
+    snapshot = snapshot_for_question(store, release.for_doc(doc_id), args.question)
+    engine = _engine(config)
+    answer = engine.answer(args.question, snapshot=snapshot, max_new_tokens=args.max_new_tokens,
+                           reuse_cache=not args.no_cache)
+    if args.json:
+        print(json.dumps({"doc_id": doc_id, "release_id": release.release_id, **answer.to_dict()}, indent=2))
+    else:
+        print(answer.text)
+        print(f"[{answer.route} · {doc_id} · {answer.reused_tokens}/{answer.prompt_tokens} prompt tokens reused · "
+              f"TTFT {answer.ttft_s * 1000:.0f} ms · total {answer.total_s * 1000:.0f} ms]", file=sys.stderr)
+    return 0
+
+
+def _explain_api_error(error) -> str:
+    """One line that says what to do about a failed API call."""
+    from ..router import apikeys
+
+    if error.code in ("unreachable", "timeout"):
+        return f"{error.message}; start the API with `make run` or `cagflow serve` (or point --url at it)"
+    if error.status == 401:
+        return (f"{error}; the key comes from $CAGFLOW_API_KEY (or $CAGFLOW_API_KEY_FILE), else from "
+                f"{apikeys.CREDENTIALS_FILE} (`cagflow keys init-local` writes it)")
+    return str(error)
+
+
+def _route_line(record: dict) -> str:
+    timings = record.get("timings_ms") or {}
+    source = (record.get("snapshot") or {}).get("doc_id") or ", ".join(
+        sorted({citation["doc_id"] for citation in record.get("citations", [])})) or "no document"
+    parts = [record.get("route", "?"), source, "cache hit" if record.get("cache_hit") else "no cache hit"]
+    if record.get("fallback_reason"):
+        parts.append(f"fallback: {record['fallback_reason']}")
+    parts += [f"{name} {timings[name]:.0f} ms" for name in ("ttft", "total") if timings.get(name) is not None]
+    parts.append(f"request {record.get('request_id')}")
+    return f"[{' · '.join(parts)}]"
+
+
+def _print_stream(events, as_json: bool) -> dict:
+    """Print tokens as they arrive (or every event as a JSON line); returns the final answer record. The
+    line of tokens is ended even when the stream fails, so an error message starts on a line of its own."""
+    record: dict = {}
+    printed_tokens = False
+    try:
+        for event in events:
+            if as_json:
+                print(json.dumps(event, ensure_ascii=False), flush=True)
+            elif event["event"] == "token":
+                print(event["data"]["text"], end="", flush=True)
+                printed_tokens = True
+            if event["event"] == "answer":
+                record = event["data"]
+    finally:
+        if printed_tokens:
+            print()
+    return record
+
+
+def cmd_ask(args: argparse.Namespace, config: Config) -> int:
+    """Ask the running API (``--local``: answer in this process instead)."""
+    from ..router.apikeys import read_local_credentials
+    from .api_client import ApiClient, ApiError, client_timeout_s, default_base_url
+
+    if args.local:
+        if args.url or args.top_k or args.stream:
+            raise ValueError("--url, --top-k and --stream are for the API; leave them out with --local")
+        return cmd_ask_local(args, config)
+    if args.no_cache or args.store:
+        raise ValueError("--no-cache and --store only apply with --local")
+    url = args.url or default_base_url(config.service)
+    credentials = read_local_credentials()
+    options = {"doc_id": args.doc_id, "top_k": args.top_k, "max_new_tokens": args.max_new_tokens}
+    try:
+        with ApiClient(url, credentials.api_key if credentials else None,
+                       timeout_s=client_timeout_s(config.service)) as client:
+            if not args.stream:
+                record = client.query(args.question, **options)
+                print(json.dumps(record, indent=2, ensure_ascii=False) if args.json else record.get("answer", ""))
+            else:
+                record = _print_stream(client.stream(args.question, **options), args.json)
+    except ApiError as error:
+        raise ValueError(_explain_api_error(error)) from None
+    if not args.json and record:
+        print(_route_line(record), file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace, config: Config) -> int:
+    from ..router import run_server
+
+    run_server(config, args.host, args.port)
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace, config: Config) -> int:
+    from ..router.apikeys import CREDENTIALS_FILE, ApiKeyStore, ensure_local_keys
+
+    store = ApiKeyStore(config.service.api_keys_file)
+    if args.action == "create":
+        record, plaintext = store.create(args.name, admin=args.admin)
+        print(plaintext)
+        print(f"created {'admin ' if record.admin else ''}key {record.key_id} ({record.name}) in {store.path}; "
+              "the key is shown only now", file=sys.stderr)
+    elif args.action == "list":
+        keys = store.list()
+        if not keys:
+            print(f"no API keys in {store.path}; create one with `cagflow keys create --name NAME` "
+                  "or `cagflow keys init-local`", file=sys.stderr)
+        for key in keys:
+            print(f"{key.key_id}  {'admin' if key.admin else 'user ':<5}  {key.created:<20}  {key.name}")
+    elif args.action == "revoke":
+        record = store.revoke(args.key_id)
+        print(f"revoked key {record.key_id} ({record.name})")
+    else:
+        credentials = ensure_local_keys(config)
+        if credentials is None:
+            print(f"local API keys already exist: {CREDENTIALS_FILE} (hashes in {store.path})")
+        else:
+            print(f"user key:  {credentials.api_key}\nadmin key: {credentials.admin_key}\n"
+                  f"saved for `cagflow ask` in {CREDENTIALS_FILE} (mode 0600); hashes in {store.path}")
+    return 0
+
+
+def cmd_releases(args: argparse.Namespace, config: Config) -> int:
+    from ..store.backends import NotFound
+    from ..store.manifests import activate_release, list_releases, load_release
+
+    store = _store(config, args.store)
+    if args.activate:
+        release = activate_release(store, args.activate)
+        print(f"active release is now {release.release_id} ({len(release.snapshots)} snapshots)")
+        return 0
+    try:
+        active = load_release(store).release_id
+    except NotFound:
+        active = None
+    for release_id in list_releases(store):
+        print(f"{'*' if release_id == active else ' '} {release_id}")
+    return 0
+
+
+def cmd_model(args: argparse.Namespace, config: Config) -> int:
+    from ..core.model import model_fingerprint, resolve_model_dir
+
+    path = resolve_model_dir(config.model.path)
+    print(f"model {config.model.path}: {path}\nfingerprint {model_fingerprint(path)}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace, config: Config) -> int:
+    print(json.dumps(config.model_dump(), indent=2))
+    return 0
+
+
+def _opensearch_run_args(config: Config) -> list[str]:
+    from urllib.parse import urlparse
+
+    from ..config import CACHE_HOME
+
+    endpoint = urlparse(config.retrieval.endpoint)
+    if endpoint.hostname not in ("127.0.0.1", "localhost"):
+        raise ValueError(f"retrieval.endpoint {config.retrieval.endpoint} is not local; "
+                         "`cagflow opensearch up` only starts a node on 127.0.0.1")
+    return ["--data-dir", str(CACHE_HOME / "opensearch-data"), "--port", str(endpoint.port or 9200)]
+
+
+SERVICES = {"opensearch": _opensearch_run_args}
+
+
+def cmd_service(args: argparse.Namespace, config: Config) -> int:
+    from ..devstack import background
+
+    if args.action == "up":
+        state = background.up(args.service, SERVICES[args.service](config))
+        print(f"{args.service} is up at {state.url} (pid {state.pid}, log {state.log}); "
+              f"stop with: cagflow {args.service} down")
+    elif args.action == "down":
+        print(f"{args.service} stopped" if background.down(args.service) else f"{args.service} was not running")
+    else:
+        state = background.status(args.service)
+        print(f"{args.service} is up at {state.url} (pid {state.pid})" if state else f"{args.service} is not running")
+        return 0 if state else 3
+    return 0
+
+
+DELEGATED = {"triton": ("cagflow.devstack.triton", "start, stop or check a local Triton server (up|down|status)"),
+             "airflow": ("cagflow.devstack.airflow", "run Airflow locally (up|down|status|trigger DAG)"),
+             "router": ("cagflow.devstack.router",
+                        "start, stop or check the local REST router in the background (up|down|status)")}
+
+
+def _run_delegated(argv: list[str]) -> int | None:
+    """Services with a command line of their own: `cagflow [--config F] triton up ...` runs theirs,
+    with the global --config passed on to `up`."""
+    import importlib
+
+    config = None
+    if argv[:1] == ["--config"] and len(argv) > 2:
+        config, argv = argv[1], argv[2:]
+    if not argv or argv[0] not in DELEGATED:
+        return None
+    rest = argv[1:]
+    if config and rest[:1] == ["up"] and "--config" not in rest:
+        rest += ["--config", config]
+    return importlib.import_module(DELEGATED[argv[0]][0]).main(rest)
+
+
+def cmd_bench(args: argparse.Namespace, config: Config) -> int:
+    from ..bench import search as benchmarks
+    from ..bench.report import save_report
+    from ..search.retrieval import RetrievalUnavailable
+
+    if args.which == "engine":
+        from ..bench.engine import main as run_engine_bench
+
+        return run_engine_bench(config, args)
+    measure, show = {"retrieval": (benchmarks.retrieval_recall, benchmarks.print_retrieval_table),
+                     "routing": (benchmarks.routing_calibration, benchmarks.print_routing_table)}[args.which]
+    try:
+        report = measure(config, Path(config.corpus.manifest).parent / "qa.jsonl")
+    except RetrievalUnavailable as exc:
+        raise ValueError(f"{exc}; start one with `cagflow opensearch up` (or set retrieval.endpoint)") from None
+    show(report)
+    saved = save_report(args.which, report)
+    if saved:
+        print(f"saved {saved}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, config: Config) -> int:
+    from .demo import run_demo
+
+    return run_demo(config, args.questions, args.max_new_tokens, local=args.local)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cagflow", description=__doc__)
+    parser.add_argument("--config", help="YAML config file (default: $CAGFLOW_CONFIG, then built-in defaults)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    precompute = commands.add_parser("precompute", help="compute the fixed documents' snapshots and publish a release")
+    precompute.add_argument("--manifest", help="corpus manifest (default: corpus.manifest)")
+    precompute.add_argument("--store", help="file:///dir or s3://bucket/prefix (default: cache.state_store)")
+    precompute.add_argument("--doc-id", action="append", help="only this document (repeatable)")
+    precompute.add_argument("--force", action="store_true", help="recompute even when a verified snapshot exists")
+    precompute.add_argument("--quiet", action="store_true", help="no progress bar")
+    precompute.set_defaults(run=cmd_precompute)
+
+    ask = commands.add_parser("ask", help="ask the running REST API a question (--local: answer in this process)")
+    ask.add_argument("question")
+    ask.add_argument("--url", help="the API (default: http://service.host:service.port)")
+    ask.add_argument("--doc-id", help="answer from this fixed document (default: the API routes the question)")
+    ask.add_argument("--top-k", type=int, help="passages when the answer comes from retrieval")
+    ask.add_argument("--max-new-tokens", type=int)
+    ask.add_argument("--stream", action="store_true", help="print the answer's tokens as they arrive")
+    ask.add_argument("--json", action="store_true",
+                     help="print the whole answer record (with --stream: each event) as JSON")
+    ask.add_argument("--local", action="store_true",
+                     help="no API: load the model here and answer from a snapshot (default: best word match)")
+    ask.add_argument("--no-cache", action="store_true", help="with --local: prefill the whole prompt instead")
+    ask.add_argument("--store", help="with --local: file:///dir or s3://bucket/prefix (default: cache.state_store)")
+    ask.set_defaults(run=cmd_ask)
+
+    serve = commands.add_parser("serve", help="run the REST API in the foreground (production server)")
+    serve.add_argument("--host", help="default: service.host")
+    serve.add_argument("--port", type=int, help="default: service.port")
+    serve.set_defaults(run=cmd_serve)
+
+    keys = commands.add_parser("keys", help="API keys: create, list, revoke, or issue local ones")
+    key_actions = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = key_actions.add_parser("create", help="issue a key and print it (once)")
+    create.add_argument("--name", required=True, help="who or what uses the key")
+    create.add_argument("--admin", action="store_true", help="may also call /admin endpoints")
+    key_actions.add_parser("list", help="key ids, names, roles and creation times (never the keys)")
+    revoke = key_actions.add_parser("revoke", help="delete a key; requests with it fail at once")
+    revoke.add_argument("key_id")
+    key_actions.add_parser("init-local", help="issue a local user and admin key for `cagflow ask`, unless they exist")
+    keys.set_defaults(run=cmd_keys)
+
+    releases = commands.add_parser("releases", help="list releases, or activate one (rollback)")
+    releases.add_argument("--activate", metavar="RELEASE_ID")
+    releases.add_argument("--store")
+    releases.set_defaults(run=cmd_releases)
+
+    model = commands.add_parser("model", help="prepare the configured model and print its fingerprint")
+    model.set_defaults(run=cmd_model)
+
+    show = commands.add_parser("config", help="print the effective configuration")
+    show.set_defaults(run=cmd_config)
+
+    bench = commands.add_parser("bench", help="benchmarks (reported, never asserted)")
+    bench.add_argument("which", choices=("retrieval", "routing", "engine"),
+                       help="retrieval: recall@k of BM25, vector and hybrid search; routing: in-scope detection "
+                            "per threshold and its calibration; engine: answer speed from a resident snapshot")
+    engine = bench.add_argument_group("options of `bench engine`")
+    engine.add_argument("--model", default="smollm2-135m", help="a model preset or path (default smollm2-135m)")
+    engine.add_argument("--runs", type=int, default=3, help="short runs per cell; the median is reported")
+    engine.add_argument("--baseline", action="store_true",
+                        help="also time the transformers DynamicCache path (the path before shared-prefix decoding)")
+    bench.set_defaults(run=cmd_bench)
+
+    for service in SERVICES:
+        runner = commands.add_parser(service, help=f"start, stop or check a local {service} in the background")
+        runner.add_argument("action", choices=("up", "down", "status"))
+        runner.set_defaults(run=cmd_service, service=service)
+
+    for name, (_, summary) in DELEGATED.items():
+        commands.add_parser(name, help=summary)  # listed in --help; run by _run_delegated
+
+    demo = commands.add_parser("demo", help="ask sample questions through the REST API "
+                                            "(--local: compare cache and full prompt in-process)")
+    demo.add_argument("--local", action="store_true",
+                      help="no server: answer in this process from each snapshot and from the full prompt, and compare")
+    demo.add_argument("--questions", type=int, default=5, help="how many sample questions (default 5)")
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.set_defaults(run=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    delegated = _run_delegated(argv)
+    if delegated is not None:
+        return delegated
+
+    from ..errors import CagflowError
+
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args.config)
+        return args.run(args, config)
+    except (CagflowError, ValueError, OSError) as exc:
+        print(f"cagflow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"cagflow {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""The KV-cache engine: precompute a document's snapshot once, answer many questions from it.
+
+Three ways to answer, all greedy and deterministic so they can be compared token for token:
+- cache path: the snapshot's KV tensors stand in for the document, only the question is prefilled;
+- retrieval path: passages go into the prompt and everything is prefilled;
+- full prompt: the same prompt as the cache path, prefilled from scratch (the baseline).
+A snapshot is never written to or copied: for Llama-family models each request keeps only its own
+question and answer tokens' keys and values and attends to the snapshot's tensors in place (see
+``shared_prefix``); other architectures get a transformers cache built over the snapshot.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from ..config import ModelConfig
+from ..errors import CagflowError
+from .documents import ParsedDocument, Section
+from .keys import validate_doc_id, validate_version
+from .model import LoadedModel, load_model
+from .prompt import Passage, PromptBuilder, PromptError, document_system, passages_system
+from .shared_prefix import SharedPrefixDecoder
+from .shared_prefix import supports as supports_shared_prefix
+from .snapshot import Snapshot
+
+QUESTION_ONLY_SYSTEM = "You are a support assistant. Answer the user's question in one or two short sentences."
+
+
+class SnapshotMismatch(CagflowError, ValueError):
+    """The snapshot was built for another model or another prompt template: it cannot be reused."""
+
+    code = "snapshot_mismatch"
+
+
+@dataclass(frozen=True)
+class DocumentPart:
+    """A document, or one section-aligned part of one that would not fit the context whole."""
+
+    doc_id: str
+    doc_version: str
+    title: str
+    sections: tuple[Section, ...]
+    part: int | None = None
+
+    @property
+    def body(self) -> str:
+        return ParsedDocument(self.title, self.sections).render()
+
+    @property
+    def system(self) -> str:
+        title = f"{self.title} (part {self.part})" if self.part else self.title
+        return document_system(title, self.body)
+
+
+@dataclass
+class Answer:
+    text: str
+    route: str  # "cache" | "retrieval" | "full" | "question-only"
+    prompt_tokens: int
+    reused_tokens: int
+    ttft_s: float
+    total_s: float
+    finish_reason: str  # "eos" | "length"
+    token_ids: list[int] = field(default_factory=list)
+    snapshot_key: str | None = None
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode_time = self.total_s - self.ttft_s
+        return (len(self.token_ids) - 1) / decode_time if len(self.token_ids) > 1 and decode_time > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Engine:
+    """Owns a loaded model; thread-compatible for reads of shared snapshots (torch releases the GIL)."""
+
+    def __init__(self, loaded: LoadedModel, max_context_tokens: int = 8192, max_new_tokens: int = 128,
+                 question_budget_tokens: int = 256):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.prompts = PromptBuilder(self.tokenizer)
+        limit = getattr(self.model.config, "max_position_embeddings", None) or max_context_tokens
+        self.max_context_tokens = min(max_context_tokens, limit)
+        self.max_new_tokens = max_new_tokens
+        self.question_budget_tokens = question_budget_tokens
+        self.eos_ids = loaded.eos_token_ids
+        self.prefix_decoder = SharedPrefixDecoder(self.model) if supports_shared_prefix(self.model) else None
+
+    @classmethod
+    def from_config(cls, model: ModelConfig) -> "Engine":
+        return cls(load_model(model.path, model.threads), model.max_context_tokens, model.max_new_tokens,
+                   model.question_budget_tokens)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.loaded.fingerprint
+
+    @property
+    def prefix_budget(self) -> int:
+        """Tokens a document prefix may use: what is left after room for a question and an answer."""
+        return self.max_context_tokens - self.max_new_tokens - self.question_budget_tokens
+
+    # ---- documents -------------------------------------------------------------------------------
+
+    def split(self, doc_id: str, doc_version: str, document: ParsedDocument) -> list[DocumentPart]:
+        """Pack whole sections into as few parts as fit the prefix budget; never drop text.
+
+        A section larger than the budget is cut at paragraph, then line, then word boundaries.
+        """
+        validate_doc_id(doc_id)
+        validate_version(doc_version)
+        whole = DocumentPart(doc_id, doc_version, document.title, document.sections)
+        if len(self.prompts.prefix_ids(whole.system)) <= self.prefix_budget:
+            return [whole]
+        overhead = len(self.prompts.prefix_ids(DocumentPart(doc_id, doc_version, document.title, (), 99).system))
+        room = self.prefix_budget - overhead
+        if room < 32:
+            raise PromptError(f"model.max_context_tokens={self.max_context_tokens} leaves no room for documents")
+        units: list[tuple[Section, int]] = []
+        for section in document.sections:
+            units.extend(self._fit_section(section, room))
+        groups: list[list[Section]] = [[]]
+        used = 0
+        for section, tokens in units:
+            cost = tokens + 2  # the blank line between sections
+            if groups[-1] and used + cost > room:
+                groups.append([])
+                used = 0
+            groups[-1].append(section)
+            used += cost
+        parts = [DocumentPart(doc_id, doc_version, document.title, tuple(g), i) for i, g in enumerate(groups, 1)]
+        for part in parts:
+            if len(self.prompts.prefix_ids(part.system)) > self.prefix_budget:
+                raise PromptError(f"{doc_id} part {part.part} does not fit the context after splitting")
+        return parts
+
+    def _fit_section(self, section: Section, room: int) -> list[tuple[Section, int]]:
+        tokens = len(self.prompts.encode(section.render()))
+        if tokens <= room:
+            return [(section, tokens)]
+        pieces: list[tuple[Section, int]] = []
+        for separator in ("\n\n", "\n", " "):
+            chunks = section.text.split(separator)
+            if len(chunks) > 1:
+                break
+        current: list[str] = []
+        for chunk in chunks:
+            candidate = separator.join([*current, chunk])
+            if current and len(self.prompts.encode(Section(section.heading, candidate).render())) > room:
+                piece = Section(section.heading, separator.join(current))
+                pieces.extend(self._fit_section(piece, room) if len(current) == 1 else
+                              [(piece, len(self.prompts.encode(piece.render())))])
+                current = [chunk]
+            else:
+                current.append(chunk)
+        if current:
+            piece = Section(section.heading, separator.join(current))
+            pieces.append((piece, len(self.prompts.encode(piece.render()))))
+        return pieces
+
+    # ---- snapshots -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def precompute(self, part: DocumentPart) -> Snapshot:
+        """One forward pass over the document prefix; its KV tensors become the snapshot."""
+        prefix_ids = self.prompts.prefix_ids(part.system)
+        if len(prefix_ids) > self.prefix_budget:
+            raise PromptError(f"{part.doc_id}: {len(prefix_ids)} prefix tokens exceed the budget of "
+                              f"{self.prefix_budget}; split the document first")
+        output = self.model(input_ids=torch.tensor([prefix_ids]), cache=DynamicCache(config=self.model.config),
+                            use_cache=True)
+        cache = output.cache
+        keys = [layer.keys[0] for layer in cache.layers]
+        values = [layer.values[0] for layer in cache.layers]
+        return Snapshot(part.doc_id, part.doc_version, part.part, self.fingerprint, prefix_ids, keys, values,
+                        title=part.title, system_prompt=part.system)
+
+    def _cache_from(self, snapshot: Snapshot) -> DynamicCache:
+        """A per-request cache over the snapshot's tensors; growing it allocates new tensors, so the
+        snapshot itself is never modified."""
+        cache = DynamicCache([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in zip(snapshot.keys, snapshot.values)],
+                             config=self.model.config)
+        for layer in cache.layers:
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = snapshot.n_tokens  # sliding-window layers track total length
+        return cache
+
+    def _check(self, snapshot: Snapshot) -> None:
+        if snapshot.model_fingerprint != self.fingerprint:
+            raise SnapshotMismatch(f"snapshot {snapshot.key} was built by model {snapshot.model_fingerprint[:16]}, "
+                                   f"this engine runs {self.fingerprint[:16]}")
+        if len(snapshot.keys) != self.model.config.num_hidden_layers:
+            raise SnapshotMismatch(f"snapshot {snapshot.key} has {len(snapshot.keys)} layers, model has "
+                                   f"{self.model.config.num_hidden_layers}")
+
+    # ---- answering -------------------------------------------------------------------------------
+
+    def _plan(self, question: str, snapshot: Snapshot | None, context: Sequence[Passage] | None,
+              reuse_cache: bool) -> tuple[str, list[int], int]:
+        """Decide the route; return (route, all prompt ids, count of leading ids the snapshot holds)."""
+        if snapshot is not None and context is not None:
+            raise ValueError("give a snapshot or a context, not both")
+        if snapshot is not None:
+            self._check(snapshot)
+            prompt = self.prompts.tokenize(snapshot.system_prompt, question, snapshot.prefix_token_ids)
+            if reuse_cache:
+                return "cache", prompt.ids, prompt.prefix_len
+            return "full", prompt.ids, 0
+        if context is not None:
+            return "retrieval", self.prompts.tokenize(passages_system(context), question).ids, 0
+        return "question-only", self.prompts.tokenize(QUESTION_ONLY_SYSTEM, question).ids, 0
+
+    def _check_room(self, route: str, ids: list[int], reused: int, budget: int) -> None:
+        if budget < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if len(ids) + budget > self.max_context_tokens:
+            raise PromptError(f"prompt of {len(ids)} tokens + {budget} new tokens exceeds the context of "
+                              f"{self.max_context_tokens} tokens")
+        if len(ids) - reused > self.question_budget_tokens and route == "cache":
+            raise PromptError(f"question is {len(ids) - reused} tokens; the limit is {self.question_budget_tokens}")
+
+    @torch.inference_mode()
+    def suffix_logits(self, question: str, snapshot: Snapshot, reuse_cache: bool = True) -> torch.Tensor:
+        """Logits at the question's positions, with or without the snapshot: the exactness check."""
+        _, ids, reused = self._plan(question, snapshot, None, reuse_cache)
+        prefix_len = len(snapshot.prefix_token_ids)
+        if reused and self.prefix_decoder is not None:
+            suffix = ids[reused:]
+            cache = self.prefix_decoder.start(snapshot.keys, snapshot.values, 1, len(suffix))
+            return self.prefix_decoder.step(cache, [suffix], all_positions=True)[0]
+        cache = self._cache_from(snapshot) if reused else DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=torch.tensor([ids[reused:]]), cache=cache, use_cache=True).logits[0]
+        return logits[prefix_len - reused:]
+
+    @torch.inference_mode()
+    def _greedy_rows(self, suffixes: Sequence[list[int]], snapshot: Snapshot, budget: int) -> Iterator[dict[int, int]]:
+        """Decode every row against the shared snapshot together; yield {row: token} of the rows still
+        running at each step. A row stops after an EOS token or ``budget`` other tokens."""
+        cache = self.prefix_decoder.start(snapshot.keys, snapshot.values, len(suffixes), max(map(len, suffixes)) + budget)
+        running = list(range(len(suffixes)))
+        feeds = [list(suffix) for suffix in suffixes]
+        produced = [0] * len(suffixes)
+        while running:
+            tokens = self.prefix_decoder.step(cache, feeds).argmax(-1).tolist()
+            yield dict(zip(running, tokens))
+            keep = []
+            for position, (row, token) in enumerate(zip(running, tokens)):
+                produced[row] += 1
+                if token not in self.eos_ids and produced[row] < budget:
+                    keep.append(position)
+            if keep and len(keep) < len(running):
+                cache.keep_rows(keep)
+            running = [running[position] for position in keep]
+            feeds = [[tokens[position]] for position in keep]
+
+    @torch.inference_mode()
+    def _greedy(self, ids: list[int], reused: int, snapshot: Snapshot | None, budget: int) -> Iterator[int]:
+        """Greedy tokens for one prompt until EOS (yielded) or ``budget`` tokens."""
+        if reused and self.prefix_decoder is not None:
+            for step in self._greedy_rows([ids[reused:]], snapshot, budget):
+                yield step[0]
+            return
+        cache = self._cache_from(snapshot) if reused else DynamicCache(config=self.model.config)
+        feed = ids[reused:]
+        for _ in range(budget):
+            token = int(self.model(input_ids=torch.tensor([feed]), cache=cache, use_cache=True).logits[0, -1].argmax())
+            yield token
+            if token in self.eos_ids:
+                return
+            feed = [token]
+
+    def stream(self, question: str, snapshot: Snapshot | None = None, context: Sequence[Passage] | None = None,
+               max_new_tokens: int | None = None, reuse_cache: bool = True) -> Iterator[str | Answer]:
+        """Yield text pieces as tokens are decoded, then the final ``Answer``."""
+        started = time.perf_counter()
+        budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        route, ids, reused = self._plan(question, snapshot, context, reuse_cache)
+        self._check_room(route, ids, reused, budget)
+        generated: list[int] = []
+        emitted = ""
+        ttft = 0.0
+        finish = "length"
+        for token in self._greedy(ids, reused, snapshot, budget):
+            if not ttft:
+                ttft = time.perf_counter() - started
+            if token in self.eos_ids:
+                finish = "eos"
+                break
+            generated.append(token)
+            text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # hold back a half-decoded multi-byte character
+                if len(text) > len(emitted):
+                    yield text[len(emitted):]
+                emitted = text
+        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        if len(text) > len(emitted):
+            yield text[len(emitted):]
+        yield Answer(text.strip(), route, len(ids), reused, ttft, time.perf_counter() - started, finish,
+                     generated, str(snapshot.key) if snapshot is not None else None)
+
+    def answer(self, question: str, snapshot: Snapshot | None = None, context: Sequence[Passage] | None = None,
+               max_new_tokens: int | None = None, reuse_cache: bool = True) -> Answer:
+        """Answer in one call; see ``stream`` for the routes."""
+        for item in self.stream(question, snapshot, context, max_new_tokens, reuse_cache):
+            if isinstance(item, Answer):
+                return item
+        raise AssertionError("stream ended without an answer")
+
+    def answer_batch(self, questions: Sequence[str], snapshot: Snapshot,
+                     max_new_tokens: int | None = None) -> list[Answer]:
+        """Answer several questions about one snapshot, decoded together: the prefix is read once per step
+        for all of them. Each answer is token-identical to ``answer`` on its own; its ttft_s and total_s
+        are measured from the call to that row's first and last token."""
+        started = time.perf_counter()
+        budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        plans = [self._plan(question, snapshot, None, True) for question in questions]
+        for route, ids, reused in plans:
+            self._check_room(route, ids, reused, budget)
+        if self.prefix_decoder is None or not plans:
+            return [self.answer(question, snapshot=snapshot, max_new_tokens=budget) for question in questions]
+        generated: list[list[int]] = [[] for _ in plans]
+        ttft = [0.0] * len(plans)
+        finished = [0.0] * len(plans)
+        finish = ["length"] * len(plans)
+        for step in self._greedy_rows([ids[reused:] for _, ids, reused in plans], snapshot, budget):
+            now = time.perf_counter() - started
+            for row, token in step.items():
+                ttft[row] = ttft[row] or now
+                finished[row] = now
+                if token in self.eos_ids:
+                    finish[row] = "eos"
+                else:
+                    generated[row].append(token)
+        return [Answer(self.tokenizer.decode(tokens, skip_special_tokens=True).strip(), "cache", len(ids), reused,
+                       ttft[row], finished[row], finish[row], tokens, str(snapshot.key))
+                for row, ((_, ids, reused), tokens) in enumerate(zip(plans, generated))]
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def best_part(question: str, texts: Sequence[str]) -> int:
+    """Index of the text sharing the most words with the question (ties: the first): picks the part of a
+    split document to answer from when no embedding router is in front."""
+    words = set(_WORD.findall(question.lower()))
+    scores = [len(words & set(_WORD.findall(text.lower()))) for text in texts]
+    return max(range(len(texts)), key=lambda i: (scores[i], -i))

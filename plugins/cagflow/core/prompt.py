@@ -1,0 +1,117 @@
+"""The prompt template: a fixed header + document block whose tokens are a true prefix of every prompt.
+
+The document (or retrieved passages) goes into the system turn; the question is the user turn. The
+prefix is the rendered system turn alone. We tokenise the full prompt once and split it at the prefix's
+token count, then check the split really is the snapshot's prefix: tokenising prefix and question
+separately can merge tokens differently at the boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import CagflowError
+
+TEMPLATE_VERSION = "cagflow-prompt-v1"
+
+DOCUMENT_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the document below. "
+                        "Answer in one or two short sentences.")
+PASSAGES_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the numbered passages "
+                        "below. Answer in one or two short sentences. If they do not contain the answer, say so.")
+
+
+class PromptError(CagflowError, ValueError):
+    """A question or document that cannot be turned into a valid prompt."""
+
+    code = "invalid_prompt"
+
+
+class EmptyQuestionError(PromptError):
+    """A question with no text."""
+
+    code = "empty_question"
+
+
+@dataclass(frozen=True)
+class Passage:
+    text: str
+    title: str = ""
+    section: str = ""
+
+
+def document_system(title: str, body: str) -> str:
+    return f"{DOCUMENT_INSTRUCTION}\n\nDocument: {title}\n\n{body}"
+
+
+def passages_system(passages: Sequence[Passage]) -> str:
+    blocks = []
+    for number, passage in enumerate(passages, start=1):
+        label = " — ".join(part for part in (passage.title, passage.section) if part)
+        blocks.append(f"[{number}] {label}\n{passage.text}" if label else f"[{number}] {passage.text}")
+    return f"{PASSAGES_INSTRUCTION}\n\n" + "\n\n".join(blocks)
+
+
+def clean_question(question: str) -> str:
+    if not isinstance(question, str):
+        raise PromptError("question must be a string")
+    question = question.strip()
+    if not question:
+        raise EmptyQuestionError("question is empty")
+    if "\x00" in question:
+        raise PromptError("question contains a NUL character")
+    return question
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    ids: list[int]
+    prefix_len: int
+
+    @property
+    def suffix(self) -> list[int]:
+        return self.ids[self.prefix_len:]
+
+
+class PromptBuilder:
+    """Renders prompts with the model's chat template (or a plain fallback for base models)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.chat = bool(getattr(tokenizer, "chat_template", None))
+
+    def prefix_text(self, system: str) -> str:
+        if self.chat:
+            return self.tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False)
+        return f"{system}\n\n"
+
+    def full_text(self, system: str, question: str) -> str:
+        question = clean_question(question)
+        if self.chat:
+            return self.tokenizer.apply_chat_template(
+                [{"role": "system", "content": system}, {"role": "user", "content": question}],
+                tokenize=False, add_generation_prompt=True)
+        return f"{system}\n\nQuestion: {question}\nAnswer:"
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prefix_ids(self, system: str) -> list[int]:
+        return self.encode(self.prefix_text(system))
+
+    def tokenize(self, system: str, question: str, prefix_ids: Sequence[int] | None = None) -> TokenizedPrompt:
+        """Tokenise the full prompt once and split it where the prefix ends.
+
+        ``prefix_ids`` (a snapshot's) must be a true prefix of the full ids, or reusing that cache would be wrong.
+        """
+        prefix_text = self.prefix_text(system)
+        full_text = self.full_text(system, question)
+        if not full_text.startswith(prefix_text):
+            raise PromptError("the chat template does not render the system turn as a prefix of the prompt")
+        ids = self.encode(full_text)
+        expected = list(prefix_ids) if prefix_ids is not None else self.encode(prefix_text)
+        if ids[:len(expected)] != expected:
+            raise PromptError("prefix tokens are not a prefix of the prompt tokens (template or tokenizer changed?)")
+        if len(ids) == len(expected):
+            raise PromptError("prompt has no tokens after the prefix")
+        return TokenizedPrompt(ids, len(expected))

@@ -1,0 +1,45 @@
+"""Airflow tasks more than one DAG runs, defined once. Only DAG files import this module (it needs Airflow);
+the tasks' logic is in ``cagflow.offline.pipeline``."""
+
+from __future__ import annotations
+
+from airflow.sdk import task
+
+from . import pipeline
+
+
+def ingest_documents(tier: str):
+    """Add the ingest tasks for the manifest's ``tier`` documents to the DAG being defined: load manifest →
+    parse → chunk → validate chunks → embed → index. A non-empty ``doc_ids`` param limits them to those
+    documents and keeps the other documents' chunks; otherwise documents gone from the manifest lose theirs.
+    Returns the index task's output, for what must wait on the index."""
+
+    @task(retries=0)
+    def load_manifest(params=None):
+        return pipeline.load_documents(tier, params.get("doc_ids"))
+
+    @task(retries=0, show_return_value_in_logs=False)
+    def parse(documents):
+        return pipeline.parse_documents(documents)
+
+    @task(retries=0, show_return_value_in_logs=False)
+    def chunk(parsed):
+        return pipeline.chunk_documents(parsed)
+
+    @task(retries=0)
+    def validate_chunks(parsed, chunks):
+        return pipeline.check_chunks(parsed, chunks)
+
+    @task(show_return_value_in_logs=False)
+    def embed(chunks):
+        return pipeline.embed_chunks(chunks)
+
+    @task
+    def index(embedded, params=None):
+        return pipeline.index_chunks(embedded, tier, remove_unlisted=not params.get("doc_ids"))
+
+    parsed = parse(load_manifest())
+    chunks = chunk(parsed)
+    embedded = embed(chunks)
+    validate_chunks(parsed, chunks) >> embedded
+    return index(embedded)

@@ -1,0 +1,230 @@
+"""API keys for the REST router: issue, verify, list and revoke.
+
+A key reads ``cgf_<key_id>_<secret>``: the short hex id names the key in listings and logs, the secret
+(32 random bytes) authenticates. The keys file (``service.api_keys_file``; in a deployment it may be a
+mounted secret) holds only SHA-256 hashes, so a leaked file grants nothing; plain SHA-256 suffices
+because the secrets are random, not passwords. The file is rewritten atomically with mode 0600 and
+re-read whenever it changes on disk, so a key created while the router runs works at once.
+
+For a local setup, ``ensure_local_keys`` issues one user and one admin key and keeps their plaintexts in
+a 0600 client credentials file (like ``~/.netrc``), which ``cagflow ask`` reads; ``CAGFLOW_API_KEY`` and
+``CAGFLOW_ADMIN_KEY`` (or ``*_FILE``) override it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..config import CACHE_HOME, Config, read_secret
+from ..errors import CagflowError
+
+KEY_PREFIX = "cgf"
+KEY_ID_BYTES = 6
+SECRET_BYTES = 32
+CREDENTIALS_FILE = CACHE_HOME / "credentials.json"
+LOCAL_USER_KEY_NAME = "local-user"
+LOCAL_ADMIN_KEY_NAME = "local-admin"
+_FILE_FORMAT = '{"keys": [{"key_id", "name", "admin", "sha256", "created"}, ...]}'
+
+
+class ApiKeyError(CagflowError):
+    """A keys file that cannot be read or written, or a request naming an unknown key."""
+
+    code = "api_keys"
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key_id: str
+    name: str
+    admin: bool
+    created: str = ""
+
+
+@dataclass(frozen=True)
+class LocalCredentials:
+    api_key: str | None
+    admin_key: str | None
+
+
+def _digest(plaintext: str) -> str:
+    return hashlib.sha256(plaintext.encode("utf-8", "surrogatepass")).hexdigest()  # any str, never an error
+
+
+def write_private_file(path: Path, text: str) -> None:
+    """Replace ``path`` atomically with a 0600 file holding ``text`` (the parent is created 0700)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temporary, 0o600)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+class ApiKeyStore:
+    """The hashed keys in one JSON file; safe to share between threads."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path).expanduser()
+        self._lock = threading.Lock()
+        self._signature: tuple[int, int, int] | None = None
+        self._records: list[dict[str, Any]] = []
+
+    # --- reading
+
+    def _file_signature(self) -> tuple[int, int, int] | None:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ApiKeyError(f"cannot read API keys file {self.path}: {exc.strerror}") from None
+        return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+    def _parse(self) -> list[dict[str, Any]]:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise ApiKeyError(f"cannot read API keys file {self.path}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise ApiKeyError(f"API keys file {self.path} is not valid JSON ({exc}); expected {_FILE_FORMAT}") from None
+        records = data.get("keys") if isinstance(data, dict) else None
+        required = {"key_id": str, "name": str, "admin": bool, "sha256": str}
+        if not isinstance(records, list) or not all(
+            isinstance(record, dict) and all(isinstance(record.get(field), kind) for field, kind in required.items())
+            for record in records
+        ):
+            raise ApiKeyError(f"API keys file {self.path} is malformed; expected {_FILE_FORMAT}")
+        return records
+
+    def _current(self) -> list[dict[str, Any]]:
+        """The records, re-read when the file changed since the last look (new inode, mtime or size)."""
+        with self._lock:
+            signature = self._file_signature()
+            if signature != self._signature:
+                self._records = self._parse()
+                self._signature = signature
+            return self._records
+
+    def list(self) -> list[ApiKey]:
+        return [_public(record) for record in self._current()]
+
+    def verify(self, plaintext: str) -> ApiKey | None:
+        """The key a request presents, or None; hashes are compared in constant time."""
+        presented = _digest(plaintext or "")
+        match = None
+        for record in self._current():  # every record is compared, so timing says nothing about which matched
+            if hmac.compare_digest(presented, record["sha256"]):
+                match = record
+        return _public(match) if match else None
+
+    # --- writing
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[list[dict[str, Any]]]:
+        """Read-modify-write under an exclusive lock, so two ``cagflow keys`` runs never lose a key."""
+        lock_path = self.path.with_name(f".{self.path.name}.lock")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            with open(lock_path, "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                records = [dict(record) for record in self._parse()]
+                yield records
+                write_private_file(self.path, json.dumps({"keys": records}, indent=2) + "\n")
+        except OSError as exc:
+            raise ApiKeyError(f"cannot write API keys file {self.path}: {exc.strerror or exc} "
+                              "(a mounted secret is read-only: manage its keys where it is defined)") from None
+
+    def create(self, name: str, admin: bool = False) -> tuple[ApiKey, str]:
+        """Issue a key; returns its record and the plaintext, which is never stored and shown only now."""
+        name = name.strip()
+        if not name:
+            raise ApiKeyError("an API key needs a non-empty name")
+        with self._exclusive() as records:
+            taken = {record["key_id"] for record in records}
+            key_id = secrets.token_hex(KEY_ID_BYTES)
+            while key_id in taken:
+                key_id = secrets.token_hex(KEY_ID_BYTES)
+            plaintext = f"{KEY_PREFIX}_{key_id}_{secrets.token_urlsafe(SECRET_BYTES)}"
+            record = {"key_id": key_id, "name": name, "admin": admin, "sha256": _digest(plaintext),
+                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            records.append(record)
+        return _public(record), plaintext
+
+    def revoke(self, key_id: str) -> ApiKey:
+        with self._exclusive() as records:
+            for position, record in enumerate(records):
+                if record["key_id"] == key_id:
+                    del records[position]
+                    return _public(record)
+            raise ApiKeyError(f"no API key with id {key_id!r} in {self.path} (see `cagflow keys list`)")
+
+
+def _public(record: dict[str, Any]) -> ApiKey:
+    return ApiKey(record["key_id"], record["name"], record["admin"], record.get("created", ""))
+
+
+# --- local credentials -----------------------------------------------------------------------------
+
+
+def read_local_credentials(path: str | os.PathLike[str] | None = None) -> LocalCredentials | None:
+    """The client's keys: ``CAGFLOW_API_KEY`` / ``CAGFLOW_ADMIN_KEY`` (or ``*_FILE``) first, then the
+    credentials file; None when neither holds any."""
+    path = Path(path or CREDENTIALS_FILE)
+    stored: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            stored = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ApiKeyError(f"cannot read credentials file {path}: {exc}; delete it and run "
+                              "`cagflow keys init-local` to issue new local keys") from None
+        if not isinstance(stored, dict):
+            raise ApiKeyError(f"credentials file {path} must hold a JSON object")
+    credentials = LocalCredentials(api_key=read_secret("CAGFLOW_API_KEY") or stored.get("api_key"),
+                                   admin_key=read_secret("CAGFLOW_ADMIN_KEY") or stored.get("admin_key"))
+    return credentials if credentials.api_key or credentials.admin_key else None
+
+
+def ensure_local_keys(config: Config,
+                      credentials_path: str | os.PathLike[str] | None = None) -> LocalCredentials | None:
+    """Issue a local user key and admin key unless working ones exist; returns the new ones (print them
+    once) or None.
+
+    Earlier local keys whose plaintexts are no longer in the credentials file are revoked: nobody can use
+    them any more.
+    """
+    store = ApiKeyStore(config.service.api_keys_file)
+    path = Path(credentials_path or CREDENTIALS_FILE)
+    current = read_local_credentials(path)
+    user = store.verify(current.api_key) if current and current.api_key else None
+    admin = store.verify(current.admin_key) if current and current.admin_key else None
+    if user and admin and admin.admin:
+        return None
+    for record in store.list():
+        if record.name in (LOCAL_USER_KEY_NAME, LOCAL_ADMIN_KEY_NAME):
+            store.revoke(record.key_id)
+    _, api_key = store.create(LOCAL_USER_KEY_NAME)
+    _, admin_key = store.create(LOCAL_ADMIN_KEY_NAME, admin=True)
+    credentials = LocalCredentials(api_key=api_key, admin_key=admin_key)
+    write_private_file(path, json.dumps({**asdict(credentials), "api_keys_file": str(store.path)}, indent=2) + "\n")
+    return credentials

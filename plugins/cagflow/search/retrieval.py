@@ -1,0 +1,572 @@
+"""Chunk retrieval over OpenSearch: BM25, k-NN and hybrid search behind one small client.
+
+Chunks live in a versioned physical index reached through an alias, so a full rebuild switches readers
+atomically. Hybrid search runs server-side (``hybrid`` query plus a normalization or RRF search pipeline)
+when the neural-search plugin is installed; otherwise a BM25 and a k-NN query are fused here with the
+same arithmetic, kept as pure functions below.
+
+Every call has one time budget (``timeout_s``) that covers its retries: an unreachable cluster raises
+``RetrievalUnavailable`` within that budget instead of hanging.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
+
+from opensearchpy import OpenSearch
+from opensearchpy.exceptions import ConnectionError as TransportConnectionError
+from opensearchpy.exceptions import TransportError
+
+from ..errors import CagflowError
+from .embeddings import EMBEDDING_DIMENSION, Embedder, get_embedder
+
+TIERS = ("fixed", "variable")
+HYBRID_MODES = ("auto", "server", "client")
+RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+NEURAL_SEARCH_PLUGIN = "opensearch-neural-search"
+KNN_PLUGIN = "opensearch-knn"
+RRF_SINCE_NEURAL_SEARCH = (2, 19)
+_SOURCE_FIELDS = ["chunk_id", "doc_id", "text", "tier", "version", "title", "section"]
+
+T = TypeVar("T")
+
+
+class RetrievalError(CagflowError):
+    """A retrieval request failed in a way retrying will not fix (bad request, missing index...)."""
+
+    code = "retrieval_failed"
+
+
+class RetrievalUnavailable(RetrievalError):
+    """OpenSearch could not be reached, or kept failing, within the call's time budget."""
+
+    code = "retrieval_unavailable"
+
+
+class SearchMode(str, Enum):
+    BM25 = "bm25"
+    VECTOR = "vector"
+    HYBRID = "hybrid"
+
+
+class Fusion(str, Enum):
+    MIN_MAX = "min_max"
+    RRF = "rrf"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    chunk_id: str
+    doc_id: str
+    text: str
+    tier: str = "variable"
+    version: str = ""
+    title: str = ""
+    section: str = ""
+    embedding: Sequence[float] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.chunk_id or not self.doc_id:
+            raise ValueError("a chunk needs a chunk_id and a doc_id")
+        if self.tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {self.tier!r}")
+        if self.embedding is not None and len(self.embedding) != EMBEDDING_DIMENSION:
+            raise ValueError(
+                f"chunk {self.chunk_id}: embedding has {len(self.embedding)} dimensions, not {EMBEDDING_DIMENSION}"
+            )
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    chunk_id: str
+    doc_id: str
+    text: str
+    tier: str
+    version: str
+    title: str
+    section: str
+    score: float
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What the cluster can do, probed from ``GET /`` and ``_cat/plugins``."""
+
+    version: str
+    plugins: Mapping[str, str]
+
+    @property
+    def has_knn(self) -> bool:
+        return KNN_PLUGIN in self.plugins
+
+    @property
+    def server_hybrid(self) -> bool:
+        return NEURAL_SEARCH_PLUGIN in self.plugins
+
+    @property
+    def server_rrf(self) -> bool:
+        return self.server_hybrid and _version_tuple(self.plugins[NEURAL_SEARCH_PLUGIN]) >= RRF_SINCE_NEURAL_SEARCH
+
+    @property
+    def hybrid_mode(self) -> str:
+        return "server" if self.server_hybrid else "client"
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("-")[0].split(".") if part.isdigit())
+
+
+# --- Fusion (pure) ---------------------------------------------------------------------------------
+
+
+def min_max_normalize(scores: Mapping[str, float]) -> dict[str, float]:
+    """Scale one result list to [0, 1]; when every score is equal they all become 1.0."""
+    if not scores:
+        return {}
+    low, high = min(scores.values()), max(scores.values())
+    if high == low:
+        return {key: 1.0 for key in scores}
+    return {key: (score - low) / (high - low) for key, score in scores.items()}
+
+
+def _ranked(scores: Mapping[str, float]) -> list[tuple[str, float]]:
+    return sorted(scores.items(), key=lambda item: (-item[1], item[0]))
+
+
+def min_max_fusion(result_lists: Sequence[Mapping[str, float]], weights: Sequence[float]) -> list[tuple[str, float]]:
+    """Weighted arithmetic mean of min-max normalised scores, best first.
+
+    A hit missing from a list counts as 0 there, as in neural-search's ``normalization-processor``.
+    """
+    if len(weights) != len(result_lists):
+        raise ValueError(f"{len(result_lists)} result lists need as many weights, got {len(weights)}")
+    if any(weight < 0 for weight in weights) or sum(weights) <= 0:
+        raise ValueError("weights must be non-negative and not all zero")
+    total_weight = sum(weights)
+    fused: dict[str, float] = {}
+    for scores, weight in zip(result_lists, weights):
+        for key, normalized in min_max_normalize(scores).items():
+            fused[key] = fused.get(key, 0.0) + weight * normalized
+    return _ranked({key: score / total_weight for key, score in fused.items()})
+
+
+def reciprocal_rank_fusion(rankings: Sequence[Sequence[str]], rank_constant: int = 60) -> list[tuple[str, float]]:
+    """Sum of ``1 / (rank_constant + rank)`` over the lists a hit appears in (rank starts at 1), best first."""
+    if rank_constant < 1:
+        raise ValueError("rank_constant must be at least 1")
+    fused: dict[str, float] = {}
+    for ranking in rankings:
+        for rank, key in enumerate(ranking, start=1):
+            fused[key] = fused.get(key, 0.0) + 1.0 / (rank_constant + rank)
+    return _ranked(fused)
+
+
+# --- Request bodies (pure) -------------------------------------------------------------------------
+
+
+def index_body(shards: int = 1, replicas: int = 0) -> dict[str, Any]:
+    return {
+        "settings": {"index": {"knn": True, "number_of_shards": shards, "number_of_replicas": replicas}},
+        "mappings": {
+            "dynamic": "strict",
+            "properties": {
+                "chunk_id": {"type": "keyword"},
+                "doc_id": {"type": "keyword"},
+                "tier": {"type": "keyword"},
+                "version": {"type": "keyword"},
+                "title": {"type": "text"},
+                "section": {"type": "text"},
+                "text": {"type": "text"},
+                "embedding": {
+                    "type": "knn_vector",
+                    "dimension": EMBEDDING_DIMENSION,
+                    "method": {"name": "hnsw", "engine": "lucene", "space_type": "cosinesimil"},
+                },
+            },
+        },
+    }
+
+
+def filter_clauses(tier: str | None = None, doc_id: str | None = None) -> list[dict[str, Any]]:
+    clauses = []
+    if tier is not None:
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        clauses.append({"term": {"tier": tier}})
+    if doc_id is not None:
+        clauses.append({"term": {"doc_id": doc_id}})
+    return clauses
+
+
+def bm25_query(text: str, filters: list[dict[str, Any]]) -> dict[str, Any]:
+    match = {"multi_match": {"query": text, "fields": ["text", "title^2", "section"]}}
+    return {"bool": {"must": [match], "filter": filters}}
+
+
+def knn_query(vector: Sequence[float], k: int, filters: list[dict[str, Any]]) -> dict[str, Any]:
+    """Lucene-engine k-NN; filters apply during the graph search, so k hits survive filtering."""
+    clause: dict[str, Any] = {"vector": [float(value) for value in vector], "k": k}
+    if filters:
+        clause["filter"] = {"bool": {"filter": filters}}
+    return {"knn": {"embedding": clause}}
+
+
+def hybrid_query(text: str, vector: Sequence[float], depth: int, filters: list[dict[str, Any]]) -> dict[str, Any]:
+    """Filters go into each sub-query: the hybrid query's own ``filter`` only exists from 3.0."""
+    return {
+        "hybrid": {
+            "queries": [bm25_query(text, filters), knn_query(vector, depth, filters)],
+            "pagination_depth": depth,
+        }
+    }
+
+
+def normalization_pipeline(weights: Sequence[float]) -> dict[str, Any]:
+    return {
+        "description": "CAGFlow hybrid search: min-max normalisation, weighted arithmetic mean (BM25, k-NN)",
+        "phase_results_processors": [
+            {
+                "normalization-processor": {
+                    "normalization": {"technique": "min_max"},
+                    "combination": {"technique": "arithmetic_mean", "parameters": {"weights": list(weights)}},
+                }
+            }
+        ],
+    }
+
+
+def rrf_pipeline(rank_constant: int) -> dict[str, Any]:
+    return {
+        "description": "CAGFlow hybrid search: reciprocal rank fusion (BM25, k-NN)",
+        "phase_results_processors": [
+            {"score-ranker-processor": {"combination": {"technique": "rrf", "rank_constant": rank_constant}}}
+        ],
+    }
+
+
+def pipeline_name(body: Mapping[str, Any]) -> str:
+    """Named after its content, so clients with different settings never overwrite each other."""
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
+    return f"cagflow-hybrid-{digest}"
+
+
+# --- Client ----------------------------------------------------------------------------------------
+
+
+def _error_reason(error: TransportError) -> str:
+    info = error.info
+    if isinstance(info, dict) and isinstance(info.get("error"), dict):
+        return str(info["error"].get("reason") or info["error"].get("type"))
+    return str(info or error.error)
+
+
+class ChunkIndex:
+    """Index and search CAGFlow chunks in one OpenSearch alias."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        index: str = "cagflow-chunks",
+        *,
+        top_k: int = 5,
+        timeout_s: float = 5.0,
+        max_retries: int = 2,
+        backoff_s: float = 0.2,
+        hybrid_weights: Sequence[float] = (0.3, 0.7),
+        fusion: Fusion = Fusion.MIN_MAX,
+        rank_constant: int = 60,
+        candidates: int = 50,
+        hybrid_mode: str = "auto",
+        embedder: Embedder | None = None,
+    ) -> None:
+        if top_k < 1 or candidates < 1:
+            raise ValueError("top_k and candidates must be positive")
+        if hybrid_mode not in HYBRID_MODES:
+            raise ValueError(f"hybrid_mode must be one of {HYBRID_MODES}, got {hybrid_mode!r}")
+        if len(hybrid_weights) != 2 or min(hybrid_weights) < 0 or sum(hybrid_weights) <= 0:
+            raise ValueError("hybrid_weights are two non-negative numbers, not both zero: (BM25, k-NN)")
+        self.endpoint = endpoint.rstrip("/")
+        self.alias = index
+        self.top_k = top_k
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.hybrid_weights = tuple(float(weight) for weight in hybrid_weights)
+        self.fusion = Fusion(fusion)
+        self.rank_constant = rank_constant
+        self.candidates = candidates
+        self.hybrid_mode = hybrid_mode
+        self._embedder = embedder
+        self._backend: BackendInfo | None = None
+        self._pipelines_created: set[str] = set()
+        self._client = OpenSearch(
+            hosts=[self.endpoint], timeout=timeout_s, max_retries=0, retry_on_timeout=False
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> ChunkIndex:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def embedder(self) -> Embedder:
+        if self._embedder is None:
+            self._embedder = get_embedder()
+        return self._embedder
+
+    def _call(self, operation: str, request: Callable[..., T], **arguments: Any) -> T:
+        """Run an opensearch-py call with bounded retries and backoff, all inside ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return request(**arguments, request_timeout=max(deadline - time.monotonic(), 0.05))
+            except TransportConnectionError as error:
+                failure: TransportError = error
+            except TransportError as error:
+                if error.status_code not in RETRYABLE_STATUSES:
+                    raise RetrievalError(f"{operation} failed ({error.status_code}): {_error_reason(error)}") from error
+                failure = error
+            pause = self.backoff_s * 2 ** (attempt - 1)
+            if attempt > self.max_retries or time.monotonic() + pause >= deadline:
+                raise RetrievalUnavailable(
+                    f"{operation}: OpenSearch at {self.endpoint} unavailable after {attempt} attempt(s) "
+                    f"within {self.timeout_s:g} s: {failure}"
+                ) from failure
+            time.sleep(pause)
+
+    # --- capabilities and health
+
+    def describe(self, refresh: bool = False) -> BackendInfo:
+        """Version and plugins, probed once; decides whether hybrid search runs server-side."""
+        if self._backend is None or refresh:
+            root = self._call("probe version", self._client.info)
+            plugins = self._call("probe plugins", self._client.cat.plugins, format="json")
+            self._backend = BackendInfo(
+                version=root["version"]["number"],
+                plugins={row["component"]: row["version"] for row in plugins},
+            )
+        return self._backend
+
+    def health(self) -> dict[str, Any]:
+        cluster = self._call("cluster health", self._client.cluster.health)
+        backend = self.describe()
+        return {
+            "endpoint": self.endpoint,
+            "status": cluster["status"],
+            "version": backend.version,
+            "plugins": dict(backend.plugins),
+            "hybrid": self.hybrid_runs_on(Fusion.MIN_MAX),
+            "rrf": self.hybrid_runs_on(Fusion.RRF),
+            "alias": self.alias,
+            "alias_exists": self._alias_targets() != [],
+        }
+
+    # --- index lifecycle
+
+    def _alias_targets(self) -> list[str]:
+        rows = self._call("read alias", self._client.cat.aliases, name=self.alias, format="json")
+        return sorted(row["index"] for row in rows)
+
+    def _create_physical_index(self, with_alias: bool) -> str:
+        if not self.describe().has_knn:
+            raise RetrievalError(f"OpenSearch at {self.endpoint} has no {KNN_PLUGIN} plugin; vectors cannot be indexed")
+        name = f"{self.alias}-{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        body = index_body()
+        if with_alias:
+            body["aliases"] = {self.alias: {}}
+        self._call("create index", self._client.indices.create, index=name, body=body)
+        return name
+
+    def ensure_index(self) -> str:
+        """Create the first physical index behind the alias unless the alias exists; return its index."""
+        targets = self._alias_targets()
+        if targets:
+            return targets[-1]
+        if self._call("check index", self._client.indices.exists, index=self.alias):
+            raise RetrievalError(f"'{self.alias}' is a concrete index, not an alias; delete it or pick another name")
+        return self._create_physical_index(with_alias=True)
+
+    def rebuild(self, chunks: Iterable[Chunk]) -> str:
+        """Load all chunks into a fresh index, then switch the alias to it in one atomic step."""
+        new_index = self._create_physical_index(with_alias=False)
+        try:
+            self._bulk_index(new_index, list(chunks), refresh=True)
+        except BaseException:
+            self._call("drop failed index", self._client.indices.delete, index=new_index)
+            raise
+        old_indices = self._alias_targets()
+        actions = [{"remove": {"index": old, "alias": self.alias}} for old in old_indices]
+        actions.append({"add": {"index": new_index, "alias": self.alias}})
+        self._call("switch alias", self._client.indices.update_aliases, body={"actions": actions})
+        for old in old_indices:
+            self._call("drop old index", self._client.indices.delete, index=old)
+        return new_index
+
+    # --- writes
+
+    def upsert(self, chunks: Iterable[Chunk], refresh: bool = True, batch_size: int = 256) -> int:
+        """Index chunks with ``_id = chunk_id``: writing the same chunk again replaces it."""
+        return self._bulk_index(self.alias, list(chunks), refresh=refresh, batch_size=batch_size)
+
+    def _bulk_index(self, target: str, chunks: list[Chunk], refresh: bool, batch_size: int = 256) -> int:
+        for start in range(0, len(chunks), batch_size):
+            batch = chunks[start : start + batch_size]
+            missing = [chunk for chunk in batch if chunk.embedding is None]
+            computed = dict(zip((chunk.chunk_id for chunk in missing), self.embedder.encode([c.text for c in missing])))
+            lines: list[dict[str, Any]] = []
+            for chunk in batch:
+                vector = chunk.embedding if chunk.embedding is not None else computed[chunk.chunk_id]
+                lines.append({"index": {"_index": target, "_id": chunk.chunk_id}})
+                lines.append({
+                    "chunk_id": chunk.chunk_id, "doc_id": chunk.doc_id, "text": chunk.text, "tier": chunk.tier,
+                    "version": chunk.version, "title": chunk.title, "section": chunk.section,
+                    "embedding": [float(value) for value in vector],
+                })
+            response = self._call("bulk index", self._client.bulk, body=lines)
+            if response.get("errors"):
+                failed = [item["index"] for item in response["items"] if "error" in item["index"]]
+                reasons = "; ".join(f"{item['_id']}: {item['error'].get('reason')}" for item in failed[:3])
+                raise RetrievalError(f"bulk index rejected {len(failed)} of {len(batch)} chunks: {reasons}")
+        if refresh and chunks:
+            self._call("refresh", self._client.indices.refresh, index=target)
+        return len(chunks)
+
+    def delete_document(self, doc_id: str, refresh: bool = True) -> int:
+        """Remove every chunk of one document; returns how many were deleted."""
+        body = {"query": {"term": {"doc_id": doc_id}}}
+        response = self._call(
+            "delete document", self._client.delete_by_query, index=self.alias, body=body, refresh=refresh,
+            conflicts="proceed",
+        )
+        return int(response["deleted"])
+
+    def count(self, tier: str | None = None, doc_id: str | None = None) -> int:
+        body = {"query": {"bool": {"filter": filter_clauses(tier, doc_id)}}}
+        response = self._call("count", self._client.count, index=self.alias, body=body)
+        return int(response["count"])
+
+    def scan(self, tier: str | None = None, page_size: int = 500) -> Iterator[Chunk]:
+        """Every chunk with its embedding, paged with ``search_after`` on ``chunk_id`` (no scroll context
+        to leak)."""
+        body: dict[str, Any] = {
+            "size": page_size, "query": {"bool": {"filter": filter_clauses(tier)}}, "sort": [{"chunk_id": "asc"}],
+            "_source": [*_SOURCE_FIELDS, "embedding"],
+        }
+        while True:
+            hits = self._call("scan", self._client.search, index=self.alias, body=body)["hits"]["hits"]
+            for raw in hits:
+                source = raw["_source"]
+                yield Chunk(source["chunk_id"], source["doc_id"], source["text"], source["tier"],
+                            source.get("version", ""), source.get("title", ""), source.get("section", ""),
+                            embedding=source["embedding"])
+            if len(hits) < page_size:
+                return
+            body["search_after"] = hits[-1]["sort"]
+
+    # --- search
+
+    def search(
+        self,
+        query: str,
+        *,
+        mode: SearchMode | str = SearchMode.HYBRID,
+        top_k: int | None = None,
+        tier: str | None = None,
+        doc_id: str | None = None,
+        fusion: Fusion | str | None = None,
+        vector: Sequence[float] | None = None,
+    ) -> list[SearchHit]:
+        """Best ``top_k`` chunks; ``vector`` is the query's embedding when the caller already has it."""
+        if not query.strip():
+            raise ValueError("query must not be empty")
+        mode = SearchMode(mode)
+        fusion = Fusion(fusion or self.fusion)
+        top_k = top_k or self.top_k
+        filters = filter_clauses(tier, doc_id)
+        if mode is SearchMode.BM25:
+            return self._run_search({"size": top_k, "query": bm25_query(query, filters)})
+        if vector is None:
+            vector = self.embedder.encode_one(query)
+        if mode is SearchMode.VECTOR:
+            return self._run_search({"size": top_k, "query": knn_query(vector, top_k, filters)})
+        depth = max(self.candidates, top_k)
+        runs_on = self.hybrid_runs_on(fusion)
+        if runs_on == "missing":
+            raise RetrievalError(
+                f"server-side {fusion.value} hybrid search needs {NEURAL_SEARCH_PLUGIN} at {self.endpoint}"
+            )
+        if runs_on == "server":
+            pipeline = self._ensure_pipeline(fusion)
+            body = {"size": top_k, "query": hybrid_query(query, vector, depth, filters)}
+            return self._run_search(body, search_pipeline=pipeline)
+        return self._client_side_hybrid(query, vector, depth, top_k, filters, fusion)
+
+    def hybrid_runs_on(self, fusion: Fusion | str) -> str:
+        """"server", "client", or "missing" (server forced but the plugin is absent); "auto" follows the plugins."""
+        if self.hybrid_mode == "client":
+            return "client"
+        backend = self.describe()
+        available = backend.server_hybrid and (Fusion(fusion) is Fusion.MIN_MAX or backend.server_rrf)
+        if available:
+            return "server"
+        return "missing" if self.hybrid_mode == "server" else "client"
+
+    def _ensure_pipeline(self, fusion: Fusion) -> str:
+        if fusion is Fusion.MIN_MAX:
+            body = normalization_pipeline(self.hybrid_weights)
+        else:
+            body = rrf_pipeline(self.rank_constant)
+        name = pipeline_name(body)
+        if name not in self._pipelines_created:
+            self._call("create search pipeline", self._client.search_pipeline.put, id=name, body=body)
+            self._pipelines_created.add(name)
+        return name
+
+    def _run_search(self, body: dict[str, Any], **params: Any) -> list[SearchHit]:
+        body = {**body, "_source": _SOURCE_FIELDS}
+        response = self._call("search", self._client.search, index=self.alias, body=body, **params)
+        return [_hit(raw, raw["_score"]) for raw in response["hits"]["hits"]]
+
+    def _client_side_hybrid(
+        self, query: str, vector: Sequence[float], depth: int, top_k: int, filters: list[dict[str, Any]], fusion: Fusion
+    ) -> list[SearchHit]:
+        """One ``_msearch`` round trip for BM25 and k-NN, fused here."""
+        lines: list[dict[str, Any]] = []
+        for sub_query in (bm25_query(query, filters), knn_query(vector, depth, filters)):
+            lines += [{"index": self.alias}, {"size": depth, "query": sub_query, "_source": _SOURCE_FIELDS}]
+        response = self._call("hybrid search", self._client.msearch, body=lines)
+        result_lists: list[dict[str, float]] = []
+        by_id: dict[str, dict[str, Any]] = {}
+        for item in response["responses"]:
+            if "error" in item:
+                raise RetrievalError(f"hybrid search failed: {item['error'].get('reason', item['error'])}")
+            hits = item["hits"]["hits"]
+            result_lists.append({raw["_id"]: raw["_score"] for raw in hits})
+            by_id.update({raw["_id"]: raw for raw in hits})
+        if fusion is Fusion.MIN_MAX:
+            fused = min_max_fusion(result_lists, self.hybrid_weights)
+        else:
+            rankings = [list(scores) for scores in result_lists]  # dicts keep the server's ranking order
+            fused = reciprocal_rank_fusion(rankings, self.rank_constant)
+        return [_hit(by_id[chunk_id], score) for chunk_id, score in fused[:top_k]]
+
+
+def _hit(raw: Mapping[str, Any], score: float) -> SearchHit:
+    source = raw["_source"]
+    return SearchHit(
+        chunk_id=source["chunk_id"], doc_id=source["doc_id"], text=source["text"], tier=source["tier"],
+        version=source.get("version", ""), title=source.get("title", ""), section=source.get("section", ""),
+        score=float(score),
+    )

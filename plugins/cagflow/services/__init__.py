@@ -1,1 +1,0 @@
-"""Local service runners used by development tooling and tests."""

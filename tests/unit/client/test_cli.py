@@ -1,0 +1,149 @@
+"""The CLI reports user mistakes as one clear line and exit code 2, never a traceback."""
+
+import json
+import stat
+
+import pytest
+from cagflow.client.cli import main
+from cagflow.router import apikeys
+from cagflow.router.apikeys import ApiKeyStore
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_missing_manifest(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("CAGFLOW__CACHE__STATE_STORE", f"file://{tmp_path}/store")
+    code, _, err = run(capsys, "precompute", "--manifest", str(tmp_path / "nope.yaml"))
+    assert code == 2
+    assert "manifest not found" in err and "Traceback" not in err
+
+
+def test_invalid_config_names_the_key(capsys, monkeypatch):
+    monkeypatch.setenv("CAGFLOW__CACHE__MAX_RESIDENT_STATES", "-3")
+    code, _, err = run(capsys, "config")
+    assert code == 2 and "cache.max_resident_states" in err
+
+
+def test_manifest_errors_are_readable(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("CAGFLOW__CACHE__STATE_STORE", f"file://{tmp_path}/store")
+    manifest = tmp_path / "manifest.yaml"
+    manifest.write_text("documents:\n  - doc_id: Bad Id\n    version: 1.0\n    tier: fixed\n    title: T\n    path: x.md\n")
+    code, _, err = run(capsys, "precompute", "--manifest", str(manifest))
+    assert code == 2
+    assert "documents.0.doc_id" in err and "documents.0.version" in err
+
+
+def test_ask_before_any_release(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("CAGFLOW__CACHE__STATE_STORE", f"file://{tmp_path}/store")
+    code, _, err = run(capsys, "ask", "What port?", "--doc-id", "skerry-admin-manual", "--local")
+    assert code == 2 and "no release published" in err
+
+
+def test_config_prints_effective_values(capsys, monkeypatch):
+    monkeypatch.setenv("CAGFLOW__RETRIEVAL__TOP_K", "7")
+    code, out, _ = run(capsys, "config")
+    assert code == 0 and json.loads(out)["retrieval"]["top_k"] == 7
+
+
+def test_unknown_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["frobnicate"])
+    assert exit_info.value.code == 2
+
+
+def test_precompute_ask_and_rollback(capsys, tmp_path, monkeypatch, tiny_model_dir, corpus_manifest_path):
+    monkeypatch.setenv("CAGFLOW__CACHE__STATE_STORE", f"file://{tmp_path}/store")
+    monkeypatch.setenv("CAGFLOW__MODEL__PATH", str(tiny_model_dir))
+    monkeypatch.setenv("CAGFLOW__CORPUS__MANIFEST", str(corpus_manifest_path))
+    code, out, _ = run(capsys, "precompute", "--quiet")
+    assert code == 0 and "5 snapshots (5 new, 0 kept)" in out
+    first_release = out.split()[1].rstrip(":")
+    code, out, _ = run(capsys, "precompute", "--quiet")
+    assert code == 0 and f"release {first_release} (unchanged): 5 snapshots (0 new, 5 kept)" in out
+
+    code, out, _ = run(capsys, "ask", "Which port does the web console use?", "--doc-id", "skerry-admin-manual",
+                       "--json", "--max-new-tokens", "8", "--local")
+    cached = json.loads(out)
+    assert code == 0 and cached["route"] == "cache" and cached["reused_tokens"] > 1000
+    code, out, _ = run(capsys, "ask", "Which port does the web console use?", "--doc-id", "skerry-admin-manual",
+                       "--json", "--no-cache", "--max-new-tokens", "8", "--local")
+    full = json.loads(out)
+    assert full["route"] == "full" and full["token_ids"] == cached["token_ids"]
+
+    code, _, err = run(capsys, "ask", "What?", "--doc-id", "no-such-doc", "--local")
+    assert code == 2 and "not in the active release" in err
+
+    code, out, _ = run(capsys, "precompute", "--quiet", "--doc-id", "support-faq")  # the others are kept
+    assert code == 0 and f"release {first_release} (unchanged): 5 snapshots (0 new, 5 kept)" in out
+    subset = tmp_path / "subset.yaml"
+    subset.write_text(corpus_manifest_path.read_text().split("  - doc_id: operations-incident-policy")[0])
+    (tmp_path / "fixed").symlink_to(corpus_manifest_path.parent / "fixed")
+    code, out, _ = run(capsys, "precompute", "--quiet", "--manifest", str(subset))  # a different release
+    assert code == 0 and "1 snapshots (0 new, 1 kept)" in out and "unchanged" not in out
+    code, out, _ = run(capsys, "releases")
+    lines = out.splitlines()
+    assert len(lines) == 2 and lines[-1].startswith("*")
+    code, out, _ = run(capsys, "releases", "--activate", first_release)
+    assert code == 0
+    code, out, _ = run(capsys, "releases")
+    assert out.splitlines()[0] == f"* {first_release}"
+    code, _, err = run(capsys, "releases", "--activate", "19990101T000000Z-deadbeef")
+    assert code == 2 and "not found" in err
+
+
+@pytest.fixture
+def key_files(tmp_path, monkeypatch):
+    """The keys file and the client credentials file, both in tmp_path."""
+    monkeypatch.setenv("CAGFLOW__SERVICE__API_KEYS_FILE", str(tmp_path / "api-keys.json"))
+    monkeypatch.setattr(apikeys, "CREDENTIALS_FILE", tmp_path / "credentials.json")
+    for name in ("CAGFLOW_API_KEY", "CAGFLOW_API_KEY_FILE", "CAGFLOW_ADMIN_KEY", "CAGFLOW_ADMIN_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    return ApiKeyStore(tmp_path / "api-keys.json"), tmp_path / "credentials.json"
+
+
+def test_keys_create_list_revoke(capsys, key_files):
+    store, _ = key_files
+    code, _, err = run(capsys, "keys", "list")
+    assert code == 0 and "no API keys in" in err
+    code, out, err = run(capsys, "keys", "create", "--name", "billing-app", "--admin")
+    plaintext = out.strip()
+    record = store.verify(plaintext)
+    assert code == 0 and record.admin and f"created admin key {record.key_id} (billing-app)" in err
+    code, out, _ = run(capsys, "keys", "list")
+    assert code == 0 and out.split()[:2] == [record.key_id, "admin"] and "billing-app" in out
+    assert plaintext not in out and store.path.read_text() not in out
+    code, out, _ = run(capsys, "keys", "revoke", record.key_id)
+    assert code == 0 and f"revoked key {record.key_id}" in out and store.verify(plaintext) is None
+    code, _, err = run(capsys, "keys", "revoke", record.key_id)
+    assert code == 2 and "no API key with id" in err
+
+
+def test_keys_init_local_prints_keys_once(capsys, key_files):
+    store, credentials = key_files
+    code, out, _ = run(capsys, "keys", "init-local")
+    user_key = out.split("user key:")[1].split()[0]
+    admin_key = out.split("admin key:")[1].split()[0]
+    assert code == 0 and not store.verify(user_key).admin and store.verify(admin_key).admin
+    assert stat.S_IMODE(credentials.stat().st_mode) == 0o600
+    code, out, _ = run(capsys, "keys", "init-local")
+    assert code == 0 and "already exist" in out and str(credentials) in out and user_key not in out
+
+
+def test_a_corrupt_keys_file_is_a_clear_error(capsys, key_files):
+    store, _ = key_files
+    store.path.write_text("{oops")
+    code, _, err = run(capsys, "keys", "list")
+    assert code == 2 and "is not valid JSON" in err and "Traceback" not in err
+
+
+def test_bench_without_opensearch_says_how_to_start_it(capsys, monkeypatch):
+    from cagflow.devstack.process import free_port
+
+    monkeypatch.setenv("CAGFLOW__RETRIEVAL__ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("CAGFLOW__RETRIEVAL__TIMEOUT_S", "1")
+    code, _, err = run(capsys, "bench", "routing")
+    assert code == 2 and "`cagflow opensearch up`" in err and len(err.splitlines()) == 1

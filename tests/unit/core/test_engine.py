@@ -1,0 +1,163 @@
+"""The engine on a tiny random model: answers from a snapshot must be token-identical to the full prompt."""
+
+import threading
+
+import pytest
+import torch
+from cagflow.core.documents import ParsedDocument, Section, parse_file
+from cagflow.core.engine import Answer, DocumentPart, Engine, SnapshotMismatch
+from cagflow.core.prompt import EmptyQuestionError, Passage, PromptError
+from cagflow.core.snapshot import Snapshot
+from cagflow.inference.resident import load_snapshot
+from cagflow.offline.precompute import plan_parts, precompute_part
+from cagflow.store.backends import LocalStore
+from cagflow.store.manifests import SnapshotUnusable
+
+QUESTIONS = ["Which port does the web console use?", "How long are backups kept?", "Who approves a SEV1 change?"]
+
+
+@pytest.fixture(scope="module")
+def small_parts(tiny_engine, corpus):
+    """The first part of three documents split to ~600 tokens: realistic text, quick to prefill."""
+    engine = Engine(tiny_engine.loaded, max_context_tokens=900, max_new_tokens=24, question_budget_tokens=128)
+    parts = []
+    for entry in corpus.tier("fixed")[:3]:
+        parts.append(engine.split(entry.doc_id, entry.version, parse_file(corpus.file(entry), entry.title))[0])
+    return engine, parts
+
+
+def test_cache_path_is_exact_after_store_round_trip(small_parts, tmp_path):
+    engine, parts = small_parts
+    store = LocalStore(tmp_path)
+    for part in parts:
+        entry = precompute_part(engine, store, part).entry
+        snapshot = load_snapshot(store, entry)
+        for question in QUESTIONS:
+            cached = engine.suffix_logits(question, snapshot)
+            full = engine.suffix_logits(question, snapshot, reuse_cache=False)
+            assert torch.allclose(cached, full, atol=1e-4), (part.doc_id, question, (cached - full).abs().max())
+            via_cache = engine.answer(question, snapshot=snapshot)
+            via_full = engine.answer(question, snapshot=snapshot, reuse_cache=False)
+            assert via_cache.token_ids == via_full.token_ids
+            assert via_cache.route == "cache" and via_full.route == "full"
+            assert via_cache.reused_tokens == snapshot.n_tokens == entry.n_tokens
+            assert via_full.reused_tokens == 0 and via_cache.prompt_tokens == via_full.prompt_tokens
+
+
+def test_answering_never_mutates_a_shared_snapshot(small_parts):
+    engine, parts = small_parts
+    snapshot = engine.precompute(parts[0])
+    before = [t.clone() for t in snapshot.keys + snapshot.values]
+    pointers = [t.data_ptr() for t in snapshot.keys + snapshot.values]
+    results: dict[int, list[int]] = {}
+
+    def ask(index: int) -> None:
+        results[index] = engine.answer(QUESTIONS[index % 3], snapshot=snapshot).token_ids
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index in range(6):
+        assert results[index] == engine.answer(QUESTIONS[index % 3], snapshot=snapshot).token_ids
+    assert [t.data_ptr() for t in snapshot.keys + snapshot.values] == pointers
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot.keys + snapshot.values))
+
+
+def test_stream_yields_the_answer_text_then_the_record(small_parts):
+    engine, parts = small_parts
+    snapshot = engine.precompute(parts[1])
+    items = list(engine.stream(QUESTIONS[0], snapshot=snapshot))
+    record = items[-1]
+    assert isinstance(record, Answer)
+    assert all(isinstance(piece, str) for piece in items[:-1])
+    assert "".join(items[:-1]).strip() == record.text
+    assert record.ttft_s <= record.total_s and record.finish_reason in ("eos", "length")
+
+
+def test_retrieval_and_question_only_routes(small_parts):
+    engine, _ = small_parts
+    answer = engine.answer("Which port?", context=[Passage("The console listens on 8443.", "Manual", "Ports")])
+    assert answer.route == "retrieval" and answer.reused_tokens == 0 and answer.token_ids
+    assert engine.answer("Which port?").route == "question-only"
+    with pytest.raises(EmptyQuestionError):
+        engine.answer("  ", context=[Passage("x")])
+
+
+def test_long_document_is_split_by_section_without_losing_text(tiny_engine, corpus):
+    engine = Engine(tiny_engine.loaded, max_context_tokens=700, max_new_tokens=32, question_budget_tokens=64)
+    entry = corpus.tier("fixed")[0]
+    document = parse_file(corpus.file(entry), entry.title)
+    parts = engine.split(entry.doc_id, entry.version, document)
+    assert len(parts) > 2
+    assert [p.part for p in parts] == list(range(1, len(parts) + 1))
+    for part in parts:
+        assert len(engine.prompts.prefix_ids(part.system)) <= engine.prefix_budget
+    original_words = " ".join(s.render() for s in document.sections).split()
+    split_words = " ".join(s.render() for p in parts for s in p.sections).split()
+    assert [w for w in original_words if not w.startswith("#")] == [w for w in split_words if not w.startswith("#")]
+
+
+def test_one_huge_section_is_cut_at_paragraphs(tiny_engine):
+    engine = Engine(tiny_engine.loaded, max_context_tokens=400, max_new_tokens=16, question_budget_tokens=32)
+    paragraphs = [f"Paragraph {i} says the limit is {i * 7} units." for i in range(120)]
+    document = ParsedDocument("Big", (Section("Only", "\n\n".join(paragraphs)),))
+    parts = engine.split("big", "1.0.0", document)
+    assert len(parts) > 1
+    text = "\n\n".join(s.text for p in parts for s in p.sections)
+    assert all(paragraph in text for paragraph in paragraphs)
+
+
+def test_fits_whole_when_it_can(tiny_engine, corpus):
+    parts = plan_parts(tiny_engine, corpus)
+    assert [p.doc_id for p in parts] == [e.doc_id for e in corpus.tier("fixed")]
+    assert all(p.part is None for p in parts)
+
+
+def test_snapshot_of_another_model_is_refused(small_parts):
+    engine, parts = small_parts
+    snapshot = engine.precompute(parts[0])
+    foreign = Snapshot(snapshot.doc_id, snapshot.doc_version, None, "f" * 64, snapshot.prefix_token_ids,
+                       snapshot.keys, snapshot.values, system_prompt=snapshot.system_prompt)
+    with pytest.raises(SnapshotMismatch, match="built by model ffffffffffffffff"):
+        engine.answer("What?", snapshot=foreign)
+
+
+def test_prompt_longer_than_context_is_refused(tiny_engine):
+    engine = Engine(tiny_engine.loaded, max_context_tokens=300, max_new_tokens=16, question_budget_tokens=32)
+    with pytest.raises(PromptError, match="exceed the budget"):
+        engine.precompute(DocumentPart("d", "1.0.0", "T", (Section("S", "word " * 2000),)))
+
+
+def test_precompute_is_idempotent_and_versions_never_overwrite(small_parts, tmp_path):
+    engine, parts = small_parts
+    store = LocalStore(tmp_path)
+    first = precompute_part(engine, store, parts[0])
+    objects = sorted(info.name for info in store.list())
+    again = precompute_part(engine, store, parts[0])
+    assert not first.skipped and again.skipped
+    assert again.entry == first.entry
+    assert sorted(info.name for info in store.list()) == objects
+
+    bumped = DocumentPart(parts[0].doc_id, "9.9.9", parts[0].title, parts[0].sections)
+    new = precompute_part(engine, store, bumped)
+    assert new.entry.key != first.entry.key and new.entry.doc_version == "9.9.9"
+    assert store.get(first.entry.object_name, sha256=first.entry.sha256)
+
+
+def test_damaged_snapshot_is_recomputed_or_reported(small_parts, tmp_path):
+    engine, parts = small_parts
+    store = LocalStore(tmp_path)
+    entry = precompute_part(engine, store, parts[0]).entry
+    path = tmp_path / entry.object_name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(SnapshotUnusable, match="corrupt"):
+        load_snapshot(store, entry)
+    with pytest.raises(SnapshotUnusable, match="does not verify"):
+        precompute_part(engine, store, parts[0])
+    path.unlink()
+    with pytest.raises(SnapshotUnusable, match="missing"):
+        load_snapshot(store, entry)
