@@ -44,6 +44,7 @@ run: export CAGFLOW__SERVICE__TRITON_GRPC_URL = 127.0.0.1:$(TRITON_GRPC_PORT)
 run: export CAGFLOW__SERVICE__TRITON_METRICS_URL = http://127.0.0.1:$(TRITON_METRICS_PORT)/metrics
 run: export CAGFLOW__PRECOMPUTE__TRITON_URL = 127.0.0.1:$(TRITON_HTTP_PORT)
 run: install
+	$(BIN)/cagflow model prepare
 	$(BIN)/cagflow opensearch up
 	$(BIN)/cagflow triton up --http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) \
 		--metrics-port $(TRITON_METRICS_PORT)

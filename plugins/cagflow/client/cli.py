@@ -338,7 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     releases.add_argument("--store")
     releases.set_defaults(run=cmd_releases)
 
-    model = commands.add_parser("model", help="prepare the configured model and print its fingerprint")
+    model = commands.add_parser("model", help="prepare the configured model (convert it once) and print its fingerprint")
+    model.add_argument("action", nargs="?", choices=("prepare",), default="prepare",
+                       help="prepare (the default): safe to run in several processes at once")
     model.set_defaults(run=cmd_model)
 
     show = commands.add_parser("config", help="print the effective configuration")

