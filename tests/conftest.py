@@ -20,22 +20,39 @@ CORPUS_MANIFEST = REPO / "corpus" / "manifest.yaml"
 
 @pytest.fixture(scope="session")
 def real_model():
+    """SmolLM2-135M on the default recipe (int8 engine)."""
     from cagflow.core.model import load_model
 
     return load_model("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
+def real_qwen_model():
+    """Qwen2.5-Coder-0.5B on the int8 engine (the Qwen2 family: q/k/v biases, 14:2 grouped heads)."""
+    from cagflow.core.model import load_model
+
+    return load_model("qwen2.5-0.5b")
+
+
+@pytest.fixture(scope="session")
+def real_fp32_model():
+    from cagflow.core.model import load_model
+
+    return load_model("smollm2-135m", precision="fp32")
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer Llama with random weights and SmolLM2's tokenizer and chat template: real tokenisation,
-    grouped-query attention, and forward passes in milliseconds."""
+    grouped-query attention, and forward passes in milliseconds. head_dim 64 is the smallest the int8
+    engine's native kernels take, so the tiny model runs the same kernels as the real ones."""
     from cagflow.core.model import resolve_model_dir
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m")))
     torch.manual_seed(1234)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
                          initializer_range=0.5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                          tie_word_embeddings=True)
     model = LlamaForCausalLM(config)
@@ -47,9 +64,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
+    """The tiny model on the default recipe (int8 engine)."""
     from cagflow.core.model import load_model
 
     return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32_model(tiny_model_dir):
+    from cagflow.core.model import load_model
+
+    return load_model(str(tiny_model_dir), precision="fp32")
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +82,13 @@ def tiny_engine(tiny_model):
     from cagflow.core.engine import Engine
 
     return Engine(tiny_model, max_context_tokens=4096, max_new_tokens=24)
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32_engine(tiny_fp32_model):
+    from cagflow.core.engine import Engine
+
+    return Engine(tiny_fp32_model, max_context_tokens=4096, max_new_tokens=24)
 
 
 @pytest.fixture(scope="session")

@@ -97,7 +97,10 @@ class ModelConfig(_Section):
     max_context_tokens: int = Field(8192, ge=256)
     max_new_tokens: int = Field(128, ge=1)
     question_budget_tokens: int = Field(256, ge=16)
-    threads: int = Field(0, ge=0)
+    # int8: int8 weights, bf16 activations and KV (Llama/Qwen2 families; others run fp32 and say so in the
+    # log). fp32: the reference, ~5x slower. A snapshot belongs to one precision (it is in the fingerprint).
+    precision: Literal["int8", "fp32"] = "int8"
+    threads: int = Field(1, ge=0)  # torch threads per process; 0 = torch default. See README "Thread policy"
 
     @field_validator("max_new_tokens")
     @classmethod

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cagflow.core.keys import SnapshotKey
-from cagflow.core.model import model_fingerprint
+from cagflow.core.model import prepare_model
 from cagflow.offline import pipeline
 from cagflow.store.backends import LocalStore, S3Store
 from cagflow.store.layout import snapshot_object
@@ -122,7 +122,7 @@ def objects(store) -> dict[str, tuple[int, float]]:
 
 
 def fingerprint16(tiny_model_dir) -> str:
-    return model_fingerprint(Path(tiny_model_dir))[:16]
+    return prepare_model(str(tiny_model_dir), "int8")[2][:16]
 
 
 def assert_release_verifies(store, expected_doc_ids):

@@ -1,5 +1,5 @@
-"""Shared-prefix decoding on the real model: single, streamed and batched answers from a snapshot are
-token-identical to the full prompt, and the logits agree."""
+"""Shared-prefix decoding on the real models (SmolLM2 on both recipes, Qwen2.5-0.5B on int8): single, streamed and batched answers from a
+snapshot are token-identical to the full prompt, and the logits agree."""
 
 import pytest
 import torch
@@ -11,9 +11,11 @@ QUESTIONS = ["Which port does the web console use?", "How long are backups kept?
 
 
 @pytest.mark.real_model
-def test_real_model_shared_prefix_is_exact(real_model, corpus):
-    engine = Engine(real_model, max_context_tokens=600, max_new_tokens=10, question_budget_tokens=128)
-    assert engine.prefix_decoder is not None
+@pytest.mark.parametrize("model", ["real_model", "real_fp32_model", "real_qwen_model"])
+def test_real_model_shared_prefix_is_exact(model, request, corpus):
+    engine = Engine(request.getfixturevalue(model), max_context_tokens=600, max_new_tokens=10,
+                    question_budget_tokens=128)
+    assert (engine.prefix_decoder if model == "real_fp32_model" else engine.fast) is not None
     entry = corpus.tier("fixed")[0]
     snapshot = engine.precompute(engine.split(entry.doc_id, entry.version, parse_file(corpus.file(entry),
                                                                                       entry.title))[0])
@@ -28,6 +30,7 @@ def test_real_model_shared_prefix_is_exact(real_model, corpus):
         cached = engine.suffix_logits(question, snapshot)
         uncached = engine.suffix_logits(question, snapshot, reuse_cache=False)
         assert torch.allclose(cached, uncached, atol=1e-4), (question, (cached - uncached).abs().max())
+        assert engine.fast is None or torch.equal(cached, uncached)  # the int8 engine: bitwise
     streamed = list(engine.stream(QUESTIONS[0], snapshot=snapshot))
     assert isinstance(streamed[-1], Answer) and streamed[-1].token_ids == full[0].token_ids
     assert "".join(streamed[:-1]).strip() == full[0].text

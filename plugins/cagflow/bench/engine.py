@@ -1,5 +1,6 @@
 """`cagflow bench engine`: how fast the engine answers from a resident snapshot, by document length and by
-number of concurrent questions. Measured, printed and saved, never asserted.
+number of concurrent questions, optionally side by side with llama.cpp on the same GGUF file in the same run
+(``--peer llama-cpp``). Measured, printed and saved, never asserted.
 
 Documents are synthetic: the sample corpus's fixed documents repeated until the prefix holds the wanted
 number of tokens, so every length is real prose with the real prompt template around it.
@@ -24,7 +25,7 @@ from ..core.snapshot import Snapshot
 from .report import save_report
 
 DOCUMENT_TOKENS = (512, 2048, 4096, 7800)  # SmolLM2 has 8192 positions: "8k" leaves room for question + answer
-DECODE_TOKENS = 16
+ANSWER_TOKENS = 40
 BATCH_SIZES = (1, 2, 4, 8)
 BATCH_DOCUMENT_TOKENS = 2048
 BATCH_NEW_TOKENS = 24
@@ -57,67 +58,76 @@ def synthetic_part(engine: Engine, corpus_dir: Path, tokens: int) -> DocumentPar
     return part(low)
 
 
-def _decode_rate(engine: Engine, snapshot: Snapshot | None) -> float:
-    """Decoded tokens per second after the question, ignoring EOS so every run decodes the same count; with
-    no snapshot, the question-only prompt on the same decoder."""
-    decoder = engine.prefix_decoder
-    if snapshot is None:
-        empty = torch.empty(engine.model.config.num_key_value_heads, 0, decoder.head_dim)
-        keys = values = [empty] * len(engine.model.model.layers)
-        question = engine.prompts.tokenize(QUESTION_ONLY_SYSTEM, QUESTIONS[0]).ids
-    else:
-        keys, values = snapshot.keys, snapshot.values
-        question = engine.prompts.tokenize(snapshot.system_prompt, QUESTIONS[0], snapshot.prefix_token_ids).suffix
-    cache = decoder.start(keys, values, 1, len(question) + DECODE_TOKENS + 1)
-    token = int(decoder.step(cache, [question]).argmax())
-    started = time.perf_counter()
-    for _ in range(DECODE_TOKENS):
-        token = int(decoder.step(cache, [[token]]).argmax())
-    return DECODE_TOKENS / (time.perf_counter() - started)
+def _timed(engine: Engine, snapshot: Snapshot | None, reuse_cache: bool = True) -> dict:
+    """One ``ANSWER_TOKENS``-token answer to the first question (EOS ignored, so every run decodes the same
+    count): time to first token, decode speed after it, and the whole answer."""
+    ttft, total, _ = engine.timed_answer(QUESTIONS[0], snapshot, ANSWER_TOKENS, reuse_cache)
+    return {"ttft_s": ttft, "decode_tok_s": (ANSWER_TOKENS - 1) / (total - ttft), "answer_s": total}
 
 
-def _old_decode_rate(engine: Engine, snapshot: Snapshot) -> float:
-    return engine.answer(QUESTIONS[0], snapshot=snapshot, max_new_tokens=DECODE_TOKENS).decode_tokens_per_s
+def _median_of(runs: int, measure: Callable[[], dict]) -> dict:
+    results = [measure() for _ in range(runs)]
+    return {name: statistics.median(result[name] for result in results) for name in results[0]}
 
 
-def _old_copy_ms(engine: Engine, snapshot: Snapshot) -> float:
-    """What the transformers path paid per request and again per decoded token: the snapshot concatenated
-    with one new token in every layer."""
-    cache = engine._cache_from(snapshot)
-    kv_heads, _, head_dim = snapshot.keys[0].shape
-    token = torch.zeros(1, kv_heads, 1, head_dim)
-    started = time.perf_counter()
-    for layer in range(len(snapshot.keys)):
-        cache.update(token, token, layer)
-    return (time.perf_counter() - started) * 1000
+def _load_speed(snapshot: Snapshot, runs: int) -> dict:
+    """Loading a stored snapshot the way serving does (read, sha256 check against the release entry, parse)
+    against a raw read of the same file, both from the page cache."""
+    import tempfile
+
+    from ..inference.resident import load_snapshot
+    from ..offline.precompute import store_snapshot
+    from ..store.backends import LocalStore
+
+    with tempfile.TemporaryDirectory(prefix="cagflow-bench-") as root:
+        store = LocalStore(root)
+        entry, _ = store_snapshot(store, snapshot)
+        path = next(p for p in Path(root).rglob("*") if p.is_file() and p.name.endswith(".safetensors"))
+        size = path.stat().st_size
+
+        def raw() -> float:
+            started = time.perf_counter()
+            path.read_bytes()
+            return time.perf_counter() - started
+
+        def load() -> float:
+            started = time.perf_counter()
+            load_snapshot(store, entry)
+            return time.perf_counter() - started
+
+        raw_s, load_s = _median(raw, runs), _median(load, runs)
+    return {"bytes": size, "raw_read_mb_s": size / raw_s / 1e6, "load_mb_s": size / load_s / 1e6}
 
 
-def measure(engine: Engine, corpus_dir: Path, runs: int, baseline: bool) -> dict:
-    def ttft(**route) -> float:
-        return engine.answer(QUESTIONS[0], max_new_tokens=1, **route).ttft_s
+def _peer_cases(engine: Engine, snapshots: dict[int, Snapshot]) -> list[dict]:
+    """The same token ids for llama.cpp: the document prefix it saves and restores, then the question."""
+    cases = [{"name": "question-only", "prefix_ids": [],
+              "question_ids": engine.prompts.tokenize(QUESTION_ONLY_SYSTEM, QUESTIONS[0]).ids}]
+    for tokens, snapshot in snapshots.items():
+        prompt = engine.prompts.tokenize(snapshot.system_prompt, QUESTIONS[0], snapshot.prefix_token_ids)
+        cases.append({"name": str(tokens), "prefix_ids": prompt.ids[:prompt.prefix_len],
+                      "question_ids": prompt.ids[prompt.prefix_len:]})
+    return cases
 
+
+def measure(engine: Engine, corpus_dir: Path, runs: int) -> dict:
     engine.answer("Warm up?", max_new_tokens=2)
-    question_only = _median(ttft, runs)
+    question_only = _median_of(runs, lambda: _timed(engine, None))
     rows = []
     snapshots = {}
     for tokens in DOCUMENT_TOKENS:
         print(f"measuring a {tokens}-token document...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
         snapshot = engine.precompute(synthetic_part(engine, corpus_dir, tokens))
+        precompute_s = time.perf_counter() - started
         snapshots[tokens] = snapshot
-        row = {"document_tokens": snapshot.n_tokens,
-               "ttft_full_s": ttft(snapshot=snapshot, reuse_cache=False),  # one run: seconds long and stable
-               "ttft_hit_s": _median(lambda: ttft(snapshot=snapshot), runs),
-               "ttft_question_only_s": question_only,
-               "old_cache_copy_ms": _median(lambda: _old_copy_ms(engine, snapshot), runs),
-               "decode_tok_s": _median(lambda: _decode_rate(engine, snapshot), runs)}
-        if baseline:
-            decoder, engine.prefix_decoder = engine.prefix_decoder, None
-            try:
-                row["old_ttft_hit_s"] = _median(lambda: ttft(snapshot=snapshot), runs)
-                row["old_decode_tok_s"] = _median(lambda: _old_decode_rate(engine, snapshot), runs)
-            finally:
-                engine.prefix_decoder = decoder
-        rows.append(row)
+        hit = _median_of(runs, lambda: _timed(engine, snapshot))
+        rows.append({"document_tokens": snapshot.n_tokens, "precompute_s": precompute_s,
+                     "ttft_full_s": engine.answer(QUESTIONS[0], snapshot=snapshot, max_new_tokens=1,
+                                                  reuse_cache=False).ttft_s,  # one run: seconds long and stable
+                     **{f"hit_{name}": value for name, value in hit.items()},
+                     "snapshot_bytes_per_token": snapshot.nbytes / snapshot.n_tokens,
+                     **_load_speed(snapshot, runs)})
     batch_snapshot = snapshots[BATCH_DOCUMENT_TOKENS]
     batches = []
     for size in BATCH_SIZES:
@@ -130,9 +140,8 @@ def measure(engine: Engine, corpus_dir: Path, runs: int, baseline: bool) -> dict
         seconds, tokens = sorted(timings)[len(timings) // 2]
         batches.append({"questions": size, "answers_per_s": size / seconds, "tokens_per_s": tokens / seconds,
                         "seconds": seconds})
-    return {"question_only_decode_tok_s": _median(lambda: _decode_rate(engine, None), runs),
-            "documents": rows, "batch_document_tokens": batch_snapshot.n_tokens, "batch_new_tokens": BATCH_NEW_TOKENS,
-            "batches": batches}
+    return {"question_only": question_only, "documents": rows, "batch_document_tokens": batch_snapshot.n_tokens,
+            "batch_new_tokens": BATCH_NEW_TOKENS, "batches": batches, "snapshots": snapshots}
 
 
 def measure_serving(engine: Engine, snapshot: Snapshot, config: Config, rounds: int = SERVING_ROUNDS) -> dict:
@@ -176,18 +185,31 @@ def measure_serving(engine: Engine, snapshot: Snapshot, config: Config, rounds: 
 
 
 def print_table(report: dict) -> None:
-    print(f"{report['model']}, {report['threads']} threads, median of {report['runs']} runs; decode: "
-          f"{DECODE_TOKENS} tokens after the question; at 0 document tokens {report['question_only_decode_tok_s']:.1f} tok/s")
-    old = "old_decode_tok_s" in report["documents"][0]
-    header = (f"{'doc tokens':>10} {'TTFT full s':>11} {'TTFT hit s':>10} {'TTFT q-only s':>13} {'old copy ms':>11} "
-              f"{'decode tok/s':>12}" + (f" {'old TTFT hit s':>14} {'old decode tok/s':>16}" if old else ""))
-    print(header)
+    q = report["question_only"]
+    print(f"{report['model']} ({report['recipe']}), {report['threads']} thread(s), median of {report['runs']} runs; "
+          f"answer = TTFT + {ANSWER_TOKENS - 1} decoded tokens. Question only: TTFT {q['ttft_s'] * 1000:.0f} ms, "
+          f"decode {q['decode_tok_s']:.1f} tok/s")
+    print(f"{'doc tokens':>10} {'TTFT full s':>11} {'TTFT hit ms':>11} {'hit/q-only':>10} {'decode tok/s':>12} "
+          f"{'vs q-only':>9} {'answer s':>8} {'B/token':>8} {'load MB/s':>9} {'raw MB/s':>9}")
     for row in report["documents"]:
-        line = (f"{row['document_tokens']:>10} {row['ttft_full_s']:>11.2f} {row['ttft_hit_s']:>10.3f} "
-                f"{row['ttft_question_only_s']:>13.3f} {row['old_cache_copy_ms']:>11.1f} {row['decode_tok_s']:>12.1f}")
-        if old:
-            line += f" {row['old_ttft_hit_s']:>14.3f} {row['old_decode_tok_s']:>16.1f}"
-        print(line)
+        print(f"{row['document_tokens']:>10} {row['ttft_full_s']:>11.2f} {row['hit_ttft_s'] * 1000:>11.0f} "
+              f"{row['hit_ttft_s'] / q['ttft_s']:>10.2f} {row['hit_decode_tok_s']:>12.1f} "
+              f"{row['hit_decode_tok_s'] / q['decode_tok_s']:>9.2f} {row['hit_answer_s']:>8.2f} "
+              f"{row['snapshot_bytes_per_token']:>8.0f} {row['load_mb_s']:>9.0f} {row['raw_read_mb_s']:>9.0f}")
+    peer = report.get("peer")
+    if peer and "cases" in peer:
+        print(f"llama.cpp {peer['llama_cpp_version']} on {peer['gguf']}, same token ids and threads, state saved "
+              f"after the document and restored per answer:")
+        print(f"{'doc tokens':>10} {'restore ms':>10} {'TTFT ms':>8} {'decode tok/s':>12} {'answer s':>8} "
+              f"{'state MB':>8} {'ours faster':>11}")
+        ours = {"question-only": q["answer_s"], **{str(t): r["hit_answer_s"]
+                                                   for t, r in zip(DOCUMENT_TOKENS, report["documents"])}}
+        for case in peer["cases"]:
+            print(f"{case['name']:>10} {case['restore_s'] * 1000:>10.1f} {case['ttft_s'] * 1000:>8.0f} "
+                  f"{case['decode_tok_s']:>12.1f} {case['answer_s']:>8.2f} {case['state_bytes'] / 1e6:>8.1f} "
+                  f"{case['answer_s'] / ours[case['name']]:>10.2f}x")
+    elif peer:
+        print(f"llama.cpp: not measured ({peer['error']})")
     print(f"{'questions':>10} {'answers/s':>11} {'tok/s':>10}   (one {report['batch_document_tokens']}-token snapshot, "
           f"up to {report['batch_new_tokens']} new tokens each)")
     for batch in report["batches"]:
@@ -199,25 +221,44 @@ def print_table(report: dict) -> None:
           f"{serving['answers_per_s']:.2f} answers/s")
 
 
+def _peer(engine: Engine, model: str, snapshots: dict[int, Snapshot], runs: int) -> dict:
+    from ..core.model import gguf_file
+    from .llama_cpp_peer import PeerUnavailable, run_peer
+
+    gguf = gguf_file(model)
+    if gguf is None:
+        return {"error": f"{model} is not a GGUF file or preset: llama.cpp needs one"}
+    print("measuring llama.cpp on the same file...", file=sys.stderr, flush=True)
+    try:
+        result = run_peer(gguf, torch.get_num_threads(), engine.max_context_tokens, _peer_cases(engine, snapshots),
+                          ANSWER_TOKENS, runs)
+    except PeerUnavailable as exc:
+        return {"error": str(exc)}
+    return {"gguf": gguf.name, **result}
+
+
 def main(config: Config, args: argparse.Namespace) -> int:
     """Run the benchmark on ``args.model`` (skipped with a message when that model is not installed)."""
     try:
-        loaded = load_model(args.model, config.model.threads)
+        loaded = load_model(args.model, config.model.threads, config.model.precision)
     except ModelError as exc:
         print(f"skipped: {exc}")
         return 0
     engine = Engine(loaded, max_context_tokens=8192, max_new_tokens=BATCH_NEW_TOKENS, question_budget_tokens=128)
-    if engine.prefix_decoder is None:
-        raise ValueError(f"{args.model} is not a Llama-family model: the shared-prefix path does not apply")
-    if engine.max_context_tokens < max(DOCUMENT_TOKENS) + 128 + BATCH_NEW_TOKENS:
+    if engine.fast is None and engine.prefix_decoder is None:
+        raise ValueError(f"{args.model} runs neither on the int8 engine nor on the shared-prefix path")
+    if engine.max_context_tokens < max(DOCUMENT_TOKENS) + 128 + ANSWER_TOKENS:
         raise ValueError(f"{args.model} has {engine.max_context_tokens} positions; the benchmark needs "
-                         f"{max(DOCUMENT_TOKENS) + 128 + BATCH_NEW_TOKENS}")
-    report = {"model": args.model, "fingerprint": loaded.fingerprint, "threads": torch.get_num_threads(),
-              "runs": args.runs, **measure(engine, Path(config.corpus.manifest).parent / "fixed", args.runs,
-                                            args.baseline)}
+                         f"{max(DOCUMENT_TOKENS) + 128 + ANSWER_TOKENS}")
+    corpus_dir = Path(config.corpus.manifest).parent / "fixed"
+    measured = measure(engine, corpus_dir, args.runs)
+    snapshots = measured.pop("snapshots")
+    report = {"model": args.model, "recipe": engine.recipe, "fingerprint": loaded.fingerprint,
+              "threads": torch.get_num_threads(), "runs": args.runs, **measured}
+    if args.peer == "llama-cpp":
+        report["peer"] = _peer(engine, args.model, snapshots, args.runs)
     print("measuring the serving layer...", file=sys.stderr, flush=True)
-    batch_part = synthetic_part(engine, Path(config.corpus.manifest).parent / "fixed", BATCH_DOCUMENT_TOKENS)
-    report["serving"] = measure_serving(engine, engine.precompute(batch_part), config)
+    report["serving"] = measure_serving(engine, snapshots[BATCH_DOCUMENT_TOKENS], config)
     print_table(report)
     saved = save_report("engine", report)
     if saved:

@@ -196,10 +196,11 @@ def cmd_releases(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_model(args: argparse.Namespace, config: Config) -> int:
-    from ..core.model import model_fingerprint, resolve_model_dir
+    from ..core.model import prepare_model
 
-    path = resolve_model_dir(config.model.path)
-    print(f"model {config.model.path}: {path}\nfingerprint {model_fingerprint(path)}")
+    path, recipe, fingerprint = prepare_model(config.model.path, config.model.precision)
+    print(f"model {config.model.path}: {path}\nrecipe {recipe} (model.precision {config.model.precision})\n"
+          f"fingerprint {fingerprint}")
     return 0
 
 
@@ -353,8 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine = bench.add_argument_group("options of `bench engine`")
     engine.add_argument("--model", default="smollm2-135m", help="a model preset or path (default smollm2-135m)")
     engine.add_argument("--runs", type=int, default=3, help="short runs per cell; the median is reported")
-    engine.add_argument("--baseline", action="store_true",
-                        help="also time the transformers DynamicCache path (the path before shared-prefix decoding)")
+    engine.add_argument("--peer", choices=("llama-cpp",),
+                        help="also run llama.cpp (llama-cpp-python, built once into its own virtual environment) "
+                             "on the same GGUF file, prompts and threads, in the same run")
     bench.set_defaults(run=cmd_bench)
 
     for service in SERVICES:

@@ -4,9 +4,11 @@ Three ways to answer, all greedy and deterministic so they can be compared token
 - cache path: the snapshot's KV tensors stand in for the document, only the question is prefilled;
 - retrieval path: passages go into the prompt and everything is prefilled;
 - full prompt: the same prompt as the cache path, prefilled from scratch (the baseline).
-A snapshot is never written to or copied: for Llama-family models each request keeps only its own
-question and answer tokens' keys and values and attends to the snapshot's tensors in place (see
-``shared_prefix``); other architectures get a transformers cache built over the snapshot.
+A snapshot is never written to or copied: each request keeps only its own question and answer tokens'
+keys and values and attends to the snapshot's tensors in place. Two forward passes do this: the int8 engine
+(``fastlm``; ``model.precision: int8``, Llama and Qwen2 families, bf16 snapshots) and, for ``fp32``,
+transformers with ``shared_prefix`` (Llama family; other architectures get a transformers cache built over
+the snapshot). Every route of one engine uses the same numeric recipe, so the routes agree token for token.
 """
 
 from __future__ import annotations
@@ -86,23 +88,31 @@ class Engine:
                  question_budget_tokens: int = 256):
         self.loaded = loaded
         self.model = loaded.model
+        self.fast = loaded.fast
+        self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.prompts = PromptBuilder(self.tokenizer)
-        limit = getattr(self.model.config, "max_position_embeddings", None) or max_context_tokens
+        limit = getattr(self.config, "max_position_embeddings", None) or max_context_tokens
         self.max_context_tokens = min(max_context_tokens, limit)
         self.max_new_tokens = max_new_tokens
         self.question_budget_tokens = question_budget_tokens
         self.eos_ids = loaded.eos_token_ids
-        self.prefix_decoder = SharedPrefixDecoder(self.model) if supports_shared_prefix(self.model) else None
+        self.prefix_decoder = (SharedPrefixDecoder(self.model)
+                               if self.fast is None and supports_shared_prefix(self.model) else None)
 
     @classmethod
     def from_config(cls, model: ModelConfig) -> "Engine":
-        return cls(load_model(model.path, model.threads), model.max_context_tokens, model.max_new_tokens,
-                   model.question_budget_tokens)
+        return cls(load_model(model.path, model.threads, model.precision), model.max_context_tokens,
+                   model.max_new_tokens, model.question_budget_tokens)
 
     @property
     def fingerprint(self) -> str:
         return self.loaded.fingerprint
+
+    @property
+    def recipe(self) -> str:
+        """The numeric recipe (``fp32`` or the int8 engine's), part of the fingerprint."""
+        return self.loaded.recipe
 
     @property
     def prefix_budget(self) -> int:
@@ -176,11 +186,13 @@ class Engine:
         if len(prefix_ids) > self.prefix_budget:
             raise PromptError(f"{part.doc_id}: {len(prefix_ids)} prefix tokens exceed the budget of "
                               f"{self.prefix_budget}; split the document first")
-        output = self.model(input_ids=torch.tensor([prefix_ids]), cache=DynamicCache(config=self.model.config),
-                            use_cache=True)
-        cache = output.cache
-        keys = [layer.keys[0] for layer in cache.layers]
-        values = [layer.values[0] for layer in cache.layers]
+        if self.fast is not None:
+            keys, values = self.fast.prefill_prefix(prefix_ids)
+        else:
+            cache = self.model(input_ids=torch.tensor([prefix_ids]), cache=DynamicCache(config=self.config),
+                               use_cache=True).cache
+            keys = [layer.keys[0] for layer in cache.layers]
+            values = [layer.values[0] for layer in cache.layers]
         return Snapshot(part.doc_id, part.doc_version, part.part, self.fingerprint, prefix_ids, keys, values,
                         title=part.title, system_prompt=part.system)
 
@@ -188,7 +200,7 @@ class Engine:
         """A per-request cache over the snapshot's tensors; growing it allocates new tensors, so the
         snapshot itself is never modified."""
         cache = DynamicCache([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in zip(snapshot.keys, snapshot.values)],
-                             config=self.model.config)
+                             config=self.config)
         for layer in cache.layers:
             if hasattr(layer, "cumulative_length"):
                 layer.cumulative_length = snapshot.n_tokens  # sliding-window layers track total length
@@ -198,9 +210,9 @@ class Engine:
         if snapshot.model_fingerprint != self.fingerprint:
             raise SnapshotMismatch(f"snapshot {snapshot.key} was built by model {snapshot.model_fingerprint[:16]}, "
                                    f"this engine runs {self.fingerprint[:16]}")
-        if len(snapshot.keys) != self.model.config.num_hidden_layers:
+        if len(snapshot.keys) != self.config.num_hidden_layers:
             raise SnapshotMismatch(f"snapshot {snapshot.key} has {len(snapshot.keys)} layers, model has "
-                                   f"{self.model.config.num_hidden_layers}")
+                                   f"{self.config.num_hidden_layers}")
 
     # ---- answering -------------------------------------------------------------------------------
 
@@ -233,18 +245,35 @@ class Engine:
         """Logits at the question's positions, with or without the snapshot: the exactness check."""
         _, ids, reused = self._plan(question, snapshot, None, reuse_cache)
         prefix_len = len(snapshot.prefix_token_ids)
+        if self.fast is not None:
+            return self.fast.logits(self._fast_prefix(ids, reused, snapshot), ids[prefix_len:])
         if reused and self.prefix_decoder is not None:
             suffix = ids[reused:]
             cache = self.prefix_decoder.start(snapshot.keys, snapshot.values, 1, len(suffix))
             return self.prefix_decoder.step(cache, [suffix], all_positions=True)[0]
-        cache = self._cache_from(snapshot) if reused else DynamicCache(config=self.model.config)
+        cache = self._cache_from(snapshot) if reused else DynamicCache(config=self.config)
         logits = self.model(input_ids=torch.tensor([ids[reused:]]), cache=cache, use_cache=True).logits[0]
         return logits[prefix_len - reused:]
 
+    def _fast_prefix(self, ids: list[int], reused: int, snapshot: Snapshot | None):
+        """The int8 engine's prefix for a prompt: the snapshot's tensors (cache route), the same prefix
+        computed now in the same blocks (full route: hence bitwise the cache route's numbers), or none."""
+        if reused:
+            return snapshot.keys, snapshot.values
+        if snapshot is not None:
+            return self.fast.prefill_prefix(ids[:len(snapshot.prefix_token_ids)])
+        return None
+
     @torch.inference_mode()
-    def _greedy_rows(self, suffixes: Sequence[list[int]], snapshot: Snapshot, budget: int) -> Iterator[dict[int, int]]:
+    def _greedy_rows(self, suffixes: Sequence[list[int]], snapshot: Snapshot, budget: int,
+                     eos: frozenset[int] | None = None) -> Iterator[dict[int, int]]:
         """Decode every row against the shared snapshot together; yield {row: token} of the rows still
         running at each step. A row stops after an EOS token or ``budget`` other tokens."""
+        eos = self.eos_ids if eos is None else eos
+        if self.fast is not None:
+            for step in self.fast.steps((snapshot.keys, snapshot.values), suffixes, budget, eos):
+                yield {row: token for row, (token, _) in step.items()}
+            return
         cache = self.prefix_decoder.start(snapshot.keys, snapshot.values, len(suffixes), max(map(len, suffixes)) + budget)
         running = list(range(len(suffixes)))
         feeds = [list(suffix) for suffix in suffixes]
@@ -255,7 +284,7 @@ class Engine:
             keep = []
             for position, (row, token) in enumerate(zip(running, tokens)):
                 produced[row] += 1
-                if token not in self.eos_ids and produced[row] < budget:
+                if token not in eos and produced[row] < budget:
                     keep.append(position)
             if keep and len(keep) < len(running):
                 cache.keep_rows(keep)
@@ -263,18 +292,27 @@ class Engine:
             feeds = [[tokens[position]] for position in keep]
 
     @torch.inference_mode()
-    def _greedy(self, ids: list[int], reused: int, snapshot: Snapshot | None, budget: int) -> Iterator[int]:
-        """Greedy tokens for one prompt until EOS (yielded) or ``budget`` tokens."""
+    def _greedy(self, ids: list[int], reused: int, snapshot: Snapshot | None, budget: int,
+                eos: frozenset[int] | None = None) -> Iterator[int]:
+        """Greedy tokens for one prompt until EOS (yielded; ``eos`` defaults to the model's) or ``budget``
+        tokens."""
+        eos = self.eos_ids if eos is None else eos
+        if self.fast is not None:
+            prefix = self._fast_prefix(ids, reused, snapshot)
+            start = prefix[0][0].shape[1] if prefix is not None else 0
+            for step in self.fast.steps(prefix, [ids[start:]], budget, eos):
+                yield step[0][0]
+            return
         if reused and self.prefix_decoder is not None:
-            for step in self._greedy_rows([ids[reused:]], snapshot, budget):
+            for step in self._greedy_rows([ids[reused:]], snapshot, budget, eos):
                 yield step[0]
             return
-        cache = self._cache_from(snapshot) if reused else DynamicCache(config=self.model.config)
+        cache = self._cache_from(snapshot) if reused else DynamicCache(config=self.config)
         feed = ids[reused:]
         for _ in range(budget):
             token = int(self.model(input_ids=torch.tensor([feed]), cache=cache, use_cache=True).logits[0, -1].argmax())
             yield token
-            if token in self.eos_ids:
+            if token in eos:
                 return
             feed = [token]
 
@@ -315,6 +353,20 @@ class Engine:
                 return item
         raise AssertionError("stream ended without an answer")
 
+    def timed_answer(self, question: str, snapshot: Snapshot | None = None, tokens: int = 40,
+                     reuse_cache: bool = True) -> tuple[float, float, list[int]]:
+        """For benchmarks: exactly ``tokens`` greedy tokens (EOS does not stop them, so every run decodes the
+        same count) on the route ``answer`` would take; returns (ttft_s, total_s, token ids)."""
+        started = time.perf_counter()
+        route, ids, reused = self._plan(question, snapshot, None, reuse_cache)
+        self._check_room(route, ids, reused, tokens)
+        generated: list[int] = []
+        ttft = 0.0
+        for token in self._greedy(ids, reused, snapshot, tokens, eos=frozenset()):
+            ttft = ttft or time.perf_counter() - started
+            generated.append(token)
+        return ttft, time.perf_counter() - started, generated
+
     def answer_batch(self, questions: Sequence[str], snapshot: Snapshot,
                      max_new_tokens: int | None = None) -> list[Answer]:
         """Answer several questions about one snapshot, decoded together: the prefix is read once per step
@@ -325,7 +377,7 @@ class Engine:
         plans = [self._plan(question, snapshot, None, True) for question in questions]
         for route, ids, reused in plans:
             self._check_room(route, ids, reused, budget)
-        if self.prefix_decoder is None or not plans:
+        if (self.fast is None and self.prefix_decoder is None) or not plans:
             return [self.answer(question, snapshot=snapshot, max_new_tokens=budget) for question in questions]
         generated: list[list[int]] = [[] for _ in plans]
         ttft = [0.0] * len(plans)

@@ -15,6 +15,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import sys
@@ -29,6 +30,8 @@ from ..config import CACHE_HOME
 from ..errors import CagflowError
 from .documents import PARSER_VERSION
 from .prompt import TEMPLATE_VERSION
+
+log = logging.getLogger("cagflow.engine")
 
 
 class ModelError(CagflowError, RuntimeError):
@@ -93,7 +96,7 @@ def _say(message: str) -> None:
 
 
 @contextmanager
-def _prepare_lock(target: Path) -> Iterator[None]:
+def prepare_lock(target: Path) -> Iterator[None]:
     """Hold the lock that lets one process at a time prepare ``target`` (an exclusive ``flock``; the
     kernel releases it when a holder dies, so a crashed preparer never blocks the next one)."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +114,7 @@ def _prepare_lock(target: Path) -> Iterator[None]:
 
 def convert_gguf(gguf: Path, target: Path) -> Path:
     """Dequantise a GGUF into an fp32 safetensors folder, once; later loads take seconds, not a minute.
-    The caller holds ``_prepare_lock(target)``."""
+    The caller holds ``prepare_lock(target)``."""
     if (target / "config.json").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -144,7 +147,7 @@ def resolve_model_dir(spec: str) -> Path:
         target = models_dir / spec
         if (target / "config.json").exists():
             return target
-        with _prepare_lock(target):
+        with prepare_lock(target):
             if (target / "config.json").exists():  # prepared by the process this one waited for
                 return target
             return convert_gguf(_preset_gguf(spec, PRESETS[spec], models_dir), target)
@@ -157,9 +160,20 @@ def resolve_model_dir(spec: str) -> Path:
         target = models_dir / f"{path.stem}-{file_sha256(path)[:16]}"
         if (target / "config.json").exists():
             return target
-        with _prepare_lock(target):
+        with prepare_lock(target):
             return convert_gguf(path, target)
     raise ModelError(f"model.path {spec!r}: not a preset ({', '.join(PRESETS)}), a model folder or a .gguf file")
+
+
+def gguf_file(spec: str) -> Path | None:
+    """The GGUF file a model comes from (a preset's, joined once, or the one ``model.path`` names); None for a
+    Hugging Face folder. Other engines (llama.cpp) are compared on this very file."""
+    if spec in PRESETS:
+        models_dir = CACHE_HOME / "models"
+        with prepare_lock(models_dir / spec):
+            return _preset_gguf(spec, PRESETS[spec], models_dir)
+    path = Path(spec).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def _digest_file(path: Path, digest: "hashlib._Hash") -> None:
@@ -182,10 +196,13 @@ def _digest_file(path: Path, digest: "hashlib._Hash") -> None:
     digest.update(bytes.fromhex(value))
 
 
-def model_fingerprint(model_dir: Path) -> str:
-    """sha256 over config, weights, tokenizer, prompt template and document parser versions."""
+def model_fingerprint(model_dir: Path, recipe: str = "fp32") -> str:
+    """sha256 over config, weights, tokenizer, prompt template, document parser versions and the numeric
+    recipe (fp32, or the int8 engine's): a snapshot is only reused by exactly the computation that made it."""
     digest = hashlib.sha256()
     digest.update(f"template:{TEMPLATE_VERSION}\nparser:{PARSER_VERSION}\n".encode())
+    if recipe != "fp32":  # fp32 fingerprints stay what they were before recipes existed
+        digest.update(f"recipe:{recipe}\n".encode())
     config = json.loads((model_dir / "config.json").read_text())
     config.pop("transformers_version", None)
     digest.update(json.dumps(config, sort_keys=True).encode())
@@ -205,33 +222,83 @@ def model_fingerprint(model_dir: Path) -> str:
 
 @dataclass
 class LoadedModel:
-    model: "object"
+    """A tokenizer and one of two forward passes: ``fast`` (the int8 engine) or ``model`` (transformers, fp32)."""
+
+    model: "object | None"
     tokenizer: "object"
     fingerprint: str
     path: Path
+    config: "object"  # the transformers config
+    fast: "object | None" = None  # cagflow.core.fastlm.FastLM
+    eos_token_ids: frozenset[int] = frozenset()
 
     @property
-    def eos_token_ids(self) -> set[int]:
-        ids = self.model.generation_config.eos_token_id
-        ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
+    def recipe(self) -> str:
+        return self.fast.recipe if self.fast is not None else "fp32"
 
 
-def load_model(spec: str, threads: int = 0) -> LoadedModel:
-    """Load the model in fp32 eval mode: fp32 keeps cache reuse exact (bf16/int8 do not, on this CPU)."""
+def _eos_ids(model_dir: Path, config, tokenizer) -> frozenset[int]:
+    from transformers import GenerationConfig
+
+    try:
+        ids = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+    except OSError:  # no generation_config.json
+        ids = getattr(config, "eos_token_id", None)
+    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def recipe_for(model_dir: Path, precision: str) -> str:
+    """The numeric recipe a model folder runs under ``precision``, without loading its weights (the int8
+    engine's kernels are compiled here when they are not built yet)."""
+    from transformers import AutoConfig
+
+    from . import fastlm
+
+    if precision not in ("int8", "fp32"):
+        raise ModelError(f"model.precision must be int8 or fp32, not {precision!r}")
+    config = AutoConfig.from_pretrained(str(model_dir))
+    return fastlm.recipe_for(config) if precision == "int8" and fastlm.supports(config) else "fp32"
+
+
+def prepare_model(spec: str, precision: str) -> tuple[Path, str, str]:
+    """Everything a first load would do once (convert the model, build the kernels): (folder, recipe,
+    fingerprint). Safe to run in several processes at once."""
+    model_dir = resolve_model_dir(spec)
+    recipe = recipe_for(model_dir, precision)
+    return model_dir, recipe, model_fingerprint(model_dir, recipe)
+
+
+def load_model(spec: str, threads: int = 1, precision: str = "int8") -> LoadedModel:
+    """Load the tokenizer and the forward pass ``precision`` asks for. int8 runs on the int8 engine for the
+    families it supports; any other architecture falls back to transformers in fp32 (logged). Both are
+    deterministic, so a cache answer is token-identical to a full-prompt answer under either."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .fastlm import FastLM
 
     if threads:
         torch.set_num_threads(threads)
     model_dir = resolve_model_dir(spec)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
+        recipe = recipe_for(model_dir, precision)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        config = AutoConfig.from_pretrained(str(model_dir))
+        if recipe != "fp32":
+            fast, model = FastLM.from_pretrained(model_dir), None
+            if fast.recipe != recipe:
+                raise ModelError(f"the int8 engine runs {fast.recipe}, expected {recipe}")
+        else:
+            if precision == "int8":
+                log.warning("model type %r is not supported by the int8 engine; running transformers in fp32",
+                            config.model_type)
+            fast, model = None, AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load model from {model_dir}: {exc}") from None
-    model.eval()
-    return LoadedModel(model, tokenizer, model_fingerprint(model_dir), model_dir)
+    log.info("model %s loaded: %s, %s thread(s)", model_dir.name, recipe, torch.get_num_threads())
+    return LoadedModel(model, tokenizer, model_fingerprint(model_dir, recipe), model_dir, config, fast,
+                       _eos_ids(model_dir, config, tokenizer))

@@ -1,32 +1,58 @@
-"""Shared-prefix decoding on the tiny model: exact against the full prompt, batched or not, and the snapshot
-is only ever read."""
+"""Shared-prefix decoding on the tiny model, for both recipes (the int8 engine and fp32 transformers): exact
+against the full prompt, single, streamed or batched, and the snapshot is only ever read; architectures the
+int8 engine does not support fall back to fp32 transformers and say so."""
 
 import pytest
 import torch
 from cagflow.core.documents import parse_file
-from cagflow.core.engine import Answer, Engine
+from cagflow.core.engine import Answer, Engine, SnapshotMismatch
 from cagflow.core.shared_prefix import SharedPrefixDecoder, supports
+from cagflow.core.snapshot import Snapshot
 
 QUESTIONS = ["Which port does the web console use?", "How long are backups kept?", "Who approves a SEV1 change?",
              "What is the exact retention period for audit logs in the archive tier, and who may shorten it?",
              "Port?"]
 
 
-@pytest.fixture(scope="module")
-def engine_and_snapshots(tiny_engine, corpus):
+@pytest.fixture(scope="module", params=["int8", "fp32"])
+def engine_and_snapshots(request, tiny_engine, tiny_fp32_engine, corpus):
     """Snapshots of two sizes (one part of ~600 tokens, one of ~250) of the same document."""
-    engine = Engine(tiny_engine.loaded, max_context_tokens=900, max_new_tokens=12, question_budget_tokens=128)
+    loaded = (tiny_engine if request.param == "int8" else tiny_fp32_engine).loaded
+    engine = Engine(loaded, max_context_tokens=900, max_new_tokens=12, question_budget_tokens=128)
     entry = corpus.tier("fixed")[0]
     document = parse_file(corpus.file(entry), entry.title)
     large = engine.precompute(engine.split(entry.doc_id, entry.version, document)[0])
-    small_engine = Engine(tiny_engine.loaded, max_context_tokens=400, max_new_tokens=12, question_budget_tokens=128)
+    small_engine = Engine(loaded, max_context_tokens=400, max_new_tokens=12, question_budget_tokens=128)
     small = engine.precompute(small_engine.split(entry.doc_id, entry.version, document)[0])
     assert small.n_tokens < large.n_tokens
     return engine, large, small
 
 
-def test_llama_family_gets_the_shared_prefix_path(tiny_engine):
-    assert supports(tiny_engine.model) and isinstance(tiny_engine.prefix_decoder, SharedPrefixDecoder)
+def test_llama_family_gets_the_shared_prefix_path(tiny_engine, tiny_fp32_engine):
+    assert supports(tiny_fp32_engine.model) and isinstance(tiny_fp32_engine.prefix_decoder, SharedPrefixDecoder)
+    assert tiny_engine.fast is not None and tiny_engine.model is None and tiny_engine.recipe.startswith("fastlm")
+
+
+def test_int8_snapshots_are_bf16_at_half_the_bytes(tiny_engine, tiny_fp32_engine, corpus):
+    entry = corpus.tier("fixed")[0]
+    document = parse_file(corpus.file(entry), entry.title)
+    part = Engine(tiny_engine.loaded, 400, 8, 64).split(entry.doc_id, entry.version, document)[0]
+    int8, fp32 = tiny_engine.precompute(part), tiny_fp32_engine.precompute(part)
+    assert int8.dtype == torch.bfloat16 and fp32.dtype == torch.float32
+    assert int8.n_tokens == fp32.n_tokens and 2 * int8.nbytes == fp32.nbytes
+    assert Snapshot.from_bytes(int8.to_bytes()).dtype == torch.bfloat16  # the header records it
+
+
+def test_the_recipe_is_part_of_the_snapshot_key(tiny_engine, tiny_fp32_engine, corpus):
+    """A snapshot of one recipe is never reused by the other: another fingerprint, another key, refused."""
+    assert tiny_engine.fingerprint != tiny_fp32_engine.fingerprint
+    entry = corpus.tier("fixed")[0]
+    part = Engine(tiny_engine.loaded, 400, 8, 64).split(entry.doc_id, entry.version,
+                                                        parse_file(corpus.file(entry), entry.title))[0]
+    snapshot = tiny_engine.precompute(part)
+    assert snapshot.key != tiny_fp32_engine.precompute(part).key
+    with pytest.raises(SnapshotMismatch):
+        tiny_fp32_engine.answer("Port?", snapshot=snapshot)
 
 
 def test_single_request_logits_and_tokens_match_the_full_prompt(engine_and_snapshots):
@@ -92,24 +118,37 @@ def test_snapshot_tensors_are_never_written_or_copied(engine_and_snapshots):
 def test_per_request_memory_does_not_depend_on_the_document(engine_and_snapshots, monkeypatch):
     engine, large, small = engine_and_snapshots
     allocated: list[int] = []
-    start = engine.prefix_decoder.start
+    if engine.fast is not None:
+        new_suffix = engine.fast._new_suffix
 
-    def recording_start(*args, **kwargs):
-        cache = start(*args, **kwargs)
-        allocated.append(sum(t.numel() for t in cache.keys + cache.values))
-        return cache
+        def recording(*args, **kwargs):
+            keys, values = new_suffix(*args, **kwargs)
+            allocated.append(sum(t.numel() for t in keys + values))
+            return keys, values
 
-    monkeypatch.setattr(engine.prefix_decoder, "start", recording_start)
+        monkeypatch.setattr(engine.fast, "_new_suffix", recording)
+    else:
+        start = engine.prefix_decoder.start
+
+        def recording(*args, **kwargs):
+            cache = start(*args, **kwargs)
+            allocated.append(sum(t.numel() for t in cache.keys + cache.values))
+            return cache
+
+        monkeypatch.setattr(engine.prefix_decoder, "start", recording)
     engine.answer(QUESTIONS[0], snapshot=large)
     engine.answer(QUESTIONS[0], snapshot=small)
     assert len(allocated) == 2 and allocated[0] == allocated[1]
     layers, kv_heads, head_dim = len(large.keys), large.keys[0].shape[0], large.keys[0].shape[2]
     question_tokens = len(engine.prompts.tokenize(large.system_prompt, QUESTIONS[0]).suffix)
-    assert allocated[0] == 2 * layers * kv_heads * head_dim * (question_tokens + engine.max_new_tokens)
+    slots = question_tokens + engine.max_new_tokens
+    if engine.fast is not None:
+        slots = -(-slots // 16) * 16  # the int8 engine rounds its suffix buffer up to 16 slots
+    assert allocated[0] == 2 * layers * kv_heads * head_dim * slots
 
 
-def test_other_architectures_fall_back_to_the_transformers_cache(tmp_path, tiny_model, corpus):
-    """A sliding-window model (Gemma 3) keeps the transformers path and stays exact."""
+def test_other_architectures_fall_back_to_the_transformers_cache(tmp_path, tiny_model, corpus, caplog):
+    """A sliding-window model (Gemma 3) keeps the transformers path, says so, and stays exact."""
     from cagflow.core.model import load_model
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -120,8 +159,10 @@ def test_other_architectures_fall_back_to_the_transformers_cache(tmp_path, tiny_
                               max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     Gemma3ForCausalLM(config).save_pretrained(tmp_path)
     tiny_model.tokenizer.save_pretrained(tmp_path)
-    engine = Engine(load_model(str(tmp_path)), max_context_tokens=400, max_new_tokens=8, question_budget_tokens=64)
-    assert not supports(engine.model) and engine.prefix_decoder is None
+    with caplog.at_level("WARNING", logger="cagflow.engine"):
+        engine = Engine(load_model(str(tmp_path)), max_context_tokens=400, max_new_tokens=8, question_budget_tokens=64)
+    assert "not supported by the int8 engine" in caplog.text and engine.recipe == "fp32"
+    assert not supports(engine.model) and engine.prefix_decoder is None and engine.fast is None
     entry = corpus.tier("fixed")[1]
     snapshot = engine.precompute(engine.split(entry.doc_id, entry.version, parse_file(corpus.file(entry), entry.title))[0])
     batch = engine.answer_batch(QUESTIONS[:2], snapshot)

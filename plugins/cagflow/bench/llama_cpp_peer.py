@@ -1,0 +1,73 @@
+"""The llama.cpp peer of `cagflow bench engine --peer llama-cpp`: the alternative a CPU user would pick,
+run in the same benchmark on the same GGUF file, prompts and thread count.
+
+llama-cpp-python is installed on demand into a virtual environment of its own (it is not a dependency of
+CAGFlow, and its wheel is built from source here, with the machine's native instruction set), and runs
+``llama_cpp_runner.py`` there; the two processes never share an interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+from ..config import CACHE_HOME
+from ..errors import CagflowError
+
+PEER_PACKAGE = "llama-cpp-python==0.3.36"
+PEER_VENV = CACHE_HOME / "llama-cpp-venv"
+RUNNER = Path(__file__).with_name("llama_cpp_runner.py")
+
+
+class PeerUnavailable(CagflowError, RuntimeError):
+    """llama-cpp-python could not be installed or run; the benchmark reports it and goes on without it."""
+
+    code = "peer_unavailable"
+
+
+def _peer_python() -> Path:
+    return PEER_VENV / "bin" / "python"
+
+
+def _installed() -> bool:
+    python = _peer_python()
+    if not python.exists():
+        return False
+    probe = subprocess.run([str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                           capture_output=True, text=True)
+    return probe.returncode == 0 and probe.stdout.strip() == PEER_PACKAGE.split("==")[1]
+
+
+def ensure_peer() -> Path:
+    """The peer's interpreter, installing llama-cpp-python from source first when needed (minutes, once)."""
+    if _installed():
+        return _peer_python()
+    print(f"installing {PEER_PACKAGE} into {PEER_VENV}, built from source for this CPU (several minutes, once)...",
+          file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    if not _peer_python().exists():
+        venv.EnvBuilder(with_pip=True, clear=True).create(PEER_VENV)
+    env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON", "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
+    install = subprocess.run([str(_peer_python()), "-m", "pip", "install", "-q", "--no-binary", "llama-cpp-python",
+                              PEER_PACKAGE, "numpy"], env=env, capture_output=True, text=True)
+    if install.returncode != 0 or not _installed():
+        tail = (install.stderr or install.stdout).strip().splitlines()[-5:]
+        raise PeerUnavailable(f"could not build {PEER_PACKAGE}: {' / '.join(tail) or 'unknown error'}")
+    print(f"  built in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    return _peer_python()
+
+
+def run_peer(gguf: Path, threads: int, n_ctx: int, cases: list[dict], new_tokens: int, runs: int) -> dict:
+    """Time ``cases`` (``name``, ``prefix_ids``, ``question_ids``) on llama.cpp; see ``llama_cpp_runner``."""
+    python = ensure_peer()
+    job = {"gguf": str(gguf), "threads": threads, "n_ctx": n_ctx, "cases": cases, "new_tokens": new_tokens,
+           "runs": runs}
+    result = subprocess.run([str(python), str(RUNNER)], input=json.dumps(job), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise PeerUnavailable(f"llama.cpp run failed: {result.stderr.strip()[-500:]}")
+    return json.loads(result.stdout)

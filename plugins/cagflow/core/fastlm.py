@@ -1,0 +1,572 @@
+"""The int8 engine: a small, fast CPU forward pass for Llama-family decoders (Llama, Qwen2), used for every
+route (precompute, cache hit, full prompt, retrieval, batches, streams) when ``model.precision`` is int8.
+
+Numeric recipe (``FastLM.recipe`` names it; it is part of what a snapshot means):
+
+- Weights: int8, symmetric, one scale per output row (``scale = absmax / 127``, rounded to bf16, weights
+  quantised against the rounded scale), for every linear including the (tied) lm_head. q/k/v are one
+  matmul, gate/up are one matmul. Activations entering a matmul are bf16, accumulation is fp32, outputs are
+  bf16: ``y = bf16(scale[n] * sum_k w[n, k] * x[k])``. Two kernels compute this formula:
+  ``matmul="int8pack"`` is ``torch.ops.aten._weight_int8pack_mm(x_bf16, w_int8[N, K], scales_bf16[N])``
+  (its fp32-input path is a ~25x slower scalar fallback: inputs must be bf16); ``matmul="native"``
+  (default with the native backend) is ``mm_int8`` from ``fastlm_kernels.cpp`` on the same int8 weights,
+  repacked in blocks of 16 output channels, with dpbf16 — 2-2.5x faster, only the summation order differs.
+- The embedding, residual stream, RMSNorm statistics, Qwen2's q/k/v biases, RoPE and SiLU are fp32.
+- K/V are stored in bf16. Attention: bf16 q (pre-scaled) against bf16 K, fp32 scores and softmax statistics,
+  weights rounded to bf16 against bf16 V with fp32 accumulation. Keys come from two places that are never
+  concatenated: a read-only shared prefix (the snapshot, ``[kv_heads, T, head_dim]`` per layer, never copied
+  or written) and the request's own suffix buffer (question + generated tokens, causal). Their softmaxes
+  are merged exactly (log-sum-exp over fixed 256-key chunks, in order). GQA: query heads are grouped per
+  KV head, K/V heads are never repeated.
+- A prefix is prefilled in blocks of ``prefill_block`` tokens counted from position 0; a question is one
+  block after the prefix; each generated token is one step. A full-prompt answer runs exactly these blocks
+  (``answer_full``), so it is bitwise identical to the cache hit (same tokens, same logits). A batched
+  answer prefills each question alone and then decodes rows together with kernels whose every output row
+  is independent of the batch, so it is bitwise identical to a single answer too.
+
+Backends: ``native`` (C++/AVX-512-BF16 kernels from ``fastlm_kernels.cpp``, compiled on first use with
+torch's cpp_extension, ~40 s once, cached under ``$CAGFLOW_HOME/kernels``) and ``torch`` (pure PyTorch with
+_weight_int8pack_mm, for CPUs without avx512_bf16 or without a compiler: slower, numerically close to but
+not bitwise equal to ``native``). Each is deterministic and self-consistent; a snapshot must be used with
+the recipe that produced it.
+
+Entry points: ``FastLM.from_pretrained(folder)``, ``prefill_prefix(ids)``, ``steps(prefix, [ids, ...], n)``
+(greedy tokens step by step, for streams and batches), ``answer(prefix, ids, n)``, ``answer_batch``,
+``answer_full(ids, prefix_len, n)``, ``logits(prefix, ids)``. Threads: the caller sets
+``torch.set_num_threads`` (``model.threads``; one thread by default, see the README's thread policy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..config import CACHE_HOME
+from .model import prepare_lock
+
+log = logging.getLogger("cagflow.engine")
+
+RECIPE_VERSION = "fastlm-v1"  # bump when the numerics change: snapshots of another recipe are not reusable
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+_KERNEL_SOURCE = Path(__file__).with_name("fastlm_kernels.cpp")
+# -fopenmp: at::parallel_for is inlined into the extension; without it the kernels run on one thread. The
+# extension then links libgomp.so.1, which resolves to the copy torch has already loaded (one runtime).
+_NATIVE_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+
+PrefixKV = tuple[list[torch.Tensor], list[torch.Tensor]]  # (keys, values): per layer [kv_heads, T, head_dim] bf16
+
+
+# ---- native kernels ------------------------------------------------------------------------------------
+
+_native = None
+_native_error: str | None = None
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags and "avx512bw" in flags
+
+
+def kernel_build_dir() -> Path:
+    """Where this kernel source, built with these flags, lives (a new source gets a new folder)."""
+    digest = hashlib.sha256(_KERNEL_SOURCE.read_bytes() + " ".join(_NATIVE_CFLAGS).encode()).hexdigest()[:12]
+    return CACHE_HOME / "kernels" / f"fastlm_kernels_{digest}"
+
+
+def native_kernels():
+    """The compiled kernel module, or None (``native_error()`` says why). Compiled once per source hash."""
+    global _native, _native_error
+    if _native is not None or _native_error is not None:
+        return _native
+    if not cpu_has_avx512_bf16():
+        _native_error = "CPU lacks avx512_bf16"
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        build = kernel_build_dir()
+        name = build.name
+        # Our flock, not only torch's lock file: torch waits forever on a lock file left by a build that was
+        # killed; under the flock no other builder is alive, so such a file is stale and can go.
+        with prepare_lock(build):
+            build.mkdir(parents=True, exist_ok=True)
+            (build / "lock").unlink(missing_ok=True)
+            if not any(build.glob("*.so")):
+                log.warning("compiling the int8 engine's kernels into %s (once, about a minute)", build)
+            _native = load(name=name, sources=[str(_KERNEL_SOURCE)], extra_cflags=_NATIVE_CFLAGS,
+                           extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+    except Exception as exc:  # no compiler, no headers, ...: fall back to the torch backend
+        _native_error = f"{type(exc).__name__}: {exc}"
+        log.warning("int8 engine: native kernels unavailable (%s); using the slower torch backend", _native_error)
+    return _native
+
+
+def native_error() -> str | None:
+    return _native_error
+
+
+# ---- configuration and weights -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LMConfig:
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    eps: float
+    max_positions: int
+    tie_embeddings: bool
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Snapshot size per prefix token (K and V, all layers, bf16)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+
+def supports(hf_config) -> bool:
+    """Whether this engine can run a model with this (transformers) configuration."""
+    try:
+        _config_from_hf(hf_config)
+    except ValueError:
+        return False
+    return True
+
+
+def _shapes_fit_native(config: LMConfig) -> bool:
+    return config.head_dim in (64, 128) and config.hidden % 16 == 0 and config.intermediate % 16 == 0
+
+
+def recipe_for(hf_config, prefill_block: int = 512) -> str:
+    """The recipe ``FastLM`` will use for this model on this machine, without loading weights (compiles the
+    kernels when they are not built yet): it is part of the model fingerprint, so every snapshot key."""
+    config = _config_from_hf(hf_config)
+    native = _shapes_fit_native(config) and native_kernels() is not None
+    return _recipe("native" if native else "torch", "native" if native else "int8pack", prefill_block)
+
+
+def _recipe(backend: str, matmul: str, prefill_block: int) -> str:
+    return f"{RECIPE_VERSION}/{backend}/{matmul}/block{prefill_block}"
+
+
+def _config_from_hf(hf) -> LMConfig:
+    if hf.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"fastlm supports {SUPPORTED_MODEL_TYPES}, not {hf.model_type!r}")
+    layer_types = getattr(hf, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types) or getattr(hf, "use_sliding_window", False):
+        raise ValueError("fastlm needs full attention in every layer (no sliding window)")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported activation {hf.hidden_act!r}")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    eos = getattr(hf, "eos_token_id", None)
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    return LMConfig(hf.model_type, hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads,
+                    hf.num_key_value_heads, head_dim, hf.intermediate_size, hf.vocab_size, float(hf.rms_norm_eps),
+                    hf.max_position_embeddings, bool(getattr(hf, "tie_word_embeddings", False)), eos)
+
+
+def _rope_tables(hf, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [positions, head_dim] fp32, computed by the model family's own rotary class (so rope_theta,
+    rope scaling types and attention scaling follow transformers)."""
+    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("dynamic", "longrope"):
+        raise ValueError(f"rope type {kind!r} depends on the sequence length; not supported")
+    module = importlib.import_module(f"transformers.models.{hf.model_type}.modeling_{hf.model_type}")
+    cls = next(getattr(module, name) for name in dir(module) if name.endswith("RotaryEmbedding"))
+    rotary = cls(hf)
+    x = torch.zeros(1, dtype=torch.float32)
+    with torch.no_grad():
+        cos, sin = rotary(x, torch.arange(positions)[None])
+    return cos[0].float().contiguous(), sin[0].float().contiguous()
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: (int8 [N, K], bf16 scales [N]); scale = absmax / 127 (rounded to bf16
+    first, and the weights quantised against the rounded scale)."""
+    weight = weight.float()
+    scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(torch.bfloat16)
+    q = torch.round(weight / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    w_qkv: torch.Tensor
+    s_qkv: torch.Tensor
+    b_qkv: torch.Tensor  # fp32, empty when the model has no q/k/v bias
+    w_o: torch.Tensor
+    s_o: torch.Tensor
+    ln2: torch.Tensor
+    w_gu: torch.Tensor
+    s_gu: torch.Tensor
+    w_down: torch.Tensor
+    s_down: torch.Tensor
+
+    def flat(self) -> list[torch.Tensor]:
+        return [self.ln1, self.w_qkv, self.s_qkv, self.b_qkv, self.w_o, self.s_o, self.ln2, self.w_gu, self.s_gu,
+                self.w_down, self.s_down]
+
+
+@dataclass
+class Generation:
+    """One greedy answer: generated ids (the EOS that stopped it included), the logits [vocab] (fp32) that
+    chose each of them, and timings from the start of the call."""
+
+    tokens: list[int]
+    logits: list[torch.Tensor] = field(default_factory=list)
+    finish_reason: str = "length"  # "eos" | "length"
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+
+# ---- the model -----------------------------------------------------------------------------------------
+
+class FastLM:
+    """An int8/bf16 forward pass of a Llama-family causal LM with shared-prefix (snapshot) attention."""
+
+    def __init__(self, config: LMConfig, tensors: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                 backend: str = "auto", prefill_block: int = 512, matmul: str = "auto"):
+        self.config = config
+        self.prefill_block = prefill_block
+        shapes_ok = _shapes_fit_native(config)
+        if backend == "auto":
+            backend = "native" if shapes_ok and native_kernels() is not None else "torch"
+        if backend == "native" and native_kernels() is None:
+            raise RuntimeError(f"native kernels unavailable: {native_error()}")
+        if backend == "native" and not shapes_ok:
+            raise ValueError("the native backend needs head_dim 64 or 128 and hidden / intermediate sizes "
+                             "that are multiples of 16")
+        if backend not in ("native", "torch"):
+            raise ValueError(f"backend must be auto, native or torch, not {backend!r}")
+        self.backend = backend
+        self._k = native_kernels() if backend == "native" else None
+        if matmul == "auto":
+            matmul = "native" if self._k is not None else "int8pack"
+        if matmul not in ("native", "int8pack") or (matmul == "native" and self._k is None):
+            raise ValueError("matmul must be int8pack, or native with the native backend")
+        self.matmul = matmul
+        self._native_mm = matmul == "native"
+        self.cos, self.sin = rope
+        c = config
+
+        def get(name: str) -> torch.Tensor:
+            return tensors[name].float()
+
+        self.embed = get("model.embed_tokens.weight").contiguous()
+        lm_head = self.embed if c.tie_embeddings or "lm_head.weight" not in tensors else get("lm_head.weight")
+        self.w_lm, self.s_lm = quantize_rows(lm_head)
+        self.norm = get("model.norm.weight").contiguous()
+        self.layers: list[_Layer] = []
+        for i in range(c.layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            if p + "self_attn.q_proj.bias" in tensors:
+                bias = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]).contiguous()
+            else:
+                bias = torch.empty(0)
+            gu = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            self.layers.append(_Layer(get(p + "input_layernorm.weight").contiguous(), *quantize_rows(qkv), bias,
+                                      *quantize_rows(get(p + "self_attn.o_proj.weight")),
+                                      get(p + "post_attention_layernorm.weight").contiguous(), *quantize_rows(gu),
+                                      *quantize_rows(get(p + "mlp.down_proj.weight"))))
+        if self._native_mm:  # mm_int8 reads weights packed in blocks of 16 output channels
+            pack = self._k.pack_int8
+            self.w_lm = pack(self.w_lm)
+            for layer in self.layers:
+                layer.w_qkv, layer.w_o = pack(layer.w_qkv), pack(layer.w_o)
+                layer.w_gu, layer.w_down = pack(layer.w_gu), pack(layer.w_down)
+        self._flat = [t for layer in self.layers for t in layer.flat()]
+        self.scaling = c.head_dim ** -0.5
+
+    # ---- loading ----
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike, **kwargs) -> "FastLM":
+        """Load an HF safetensors folder (config.json + *.safetensors), quantising on the fly."""
+        from safetensors import safe_open
+        from transformers import AutoConfig
+
+        folder = Path(folder)
+        hf = AutoConfig.from_pretrained(str(folder))
+        config = _config_from_hf(hf)
+        gen = folder / "generation_config.json"
+        if gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+            config = LMConfig(**{**config.__dict__, "eos_token_ids": tuple(sorted(set(config.eos_token_ids) | set(eos)))})
+        tensors: dict[str, torch.Tensor] = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    tensors[name] = handle.get_tensor(name)
+        if not tensors:
+            raise FileNotFoundError(f"{folder}: no *.safetensors")
+        return cls(config, tensors, _rope_tables(hf, config.max_positions), **kwargs)
+
+    @classmethod
+    def from_hf_model(cls, model, **kwargs) -> "FastLM":
+        """From an in-memory transformers model (tests: tiny random models)."""
+        config = _config_from_hf(model.config)
+        tensors = {name: t.detach() for name, t in model.state_dict().items()}
+        return cls(config, tensors, _rope_tables(model.config, config.max_positions), **kwargs)
+
+    @property
+    def recipe(self) -> str:
+        """What a snapshot depends on besides the model weights: put it into the snapshot fingerprint."""
+        return _recipe(self.backend, self.matmul, self.prefill_block)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    # ---- the forward pass ----
+
+    def _new_suffix(self, rows: int, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        c = self.config
+        shape = (rows, c.kv_heads, capacity, c.head_dim)
+        # zeros, not empty: the torch backend multiplies masked (zero) weights by unused slots
+        return ([torch.zeros(shape, dtype=torch.bfloat16) for _ in range(c.layers)],
+                [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(c.layers)])
+
+    def _block(self, ids: torch.Tensor, prefix: PrefixKV | None, sk: list[torch.Tensor], sv: list[torch.Tensor],
+               start: torch.Tensor) -> torch.Tensor:
+        """Run ``ids`` [R, W] through every layer; row r's tokens go to suffix slots start[r] + w (positions
+        prefix_len + slot). Returns the final hidden states fp32 [R, W, hidden] (before the final norm)."""
+        c = self.config
+        rows, width = ids.shape
+        prefix_len = prefix[0][0].shape[1] if prefix is not None else 0
+        slots = start[:, None] + torch.arange(width)
+        positions = (slots + prefix_len).reshape(-1)
+        if int(positions.max()) >= self.cos.shape[0]:
+            raise ValueError(f"position {int(positions.max())} beyond the model's {self.cos.shape[0]} positions")
+        x = self.embed.index_select(0, ids.reshape(-1))
+        cos = self.cos.index_select(0, positions)
+        sin = self.sin.index_select(0, positions)
+        pk, pv = prefix if prefix is not None else ([], [])
+        if self._k is not None:
+            self._k.run_layers(x, self._flat, cos, sin, pk, pv, sk, sv, start, rows, width, c.kv_heads, c.groups,
+                               c.head_dim, c.eps, self.scaling, self._native_mm)
+        else:
+            self._torch_layers(x, cos, sin, pk, pv, sk, sv, start, rows, width)
+        return x.view(rows, width, c.hidden)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head: fp32 [M, hidden] -> fp32 logits [M, vocab]."""
+        h = self._rmsnorm(hidden.contiguous(), self.norm)
+        if self._native_mm:
+            return self._k.mm_int8(h, self.w_lm, self.s_lm).float()
+        return torch.ops.aten._weight_int8pack_mm(h, self.w_lm, self.s_lm).float()
+
+    def _rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._k is not None:
+            return self._k.rmsnorm_bf16(x, weight, self.config.eps)
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.eps) * weight).to(torch.bfloat16)
+
+    # ---- torch backend (reference implementation of the same recipe) ----
+
+    def _torch_layers(self, x, cos, sin, pk, pv, sk, sv, start, rows, width) -> None:
+        c = self.config
+        mm = torch.ops.aten._weight_int8pack_mm
+        half = c.head_dim // 2
+        q_width, kv_width = c.heads * c.head_dim, c.kv_heads * c.head_dim
+        row_index = torch.arange(rows)[:, None]
+        slots = start[:, None] + torch.arange(width)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        for index, layer in enumerate(self.layers):
+            qkv = mm(self._rmsnorm(x, layer.ln1), layer.w_qkv, layer.s_qkv).float()
+            if layer.b_qkv.numel():
+                qkv += layer.b_qkv
+            q = qkv[:, :q_width].view(-1, c.heads, c.head_dim)
+            k = qkv[:, q_width:q_width + kv_width].view(-1, c.kv_heads, c.head_dim)
+            v = qkv[:, q_width + kv_width:].view(-1, c.kv_heads, c.head_dim)
+
+            def rotate(t):
+                return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
+
+            q = (rotate(q) * self.scaling).to(torch.bfloat16).view(rows, width, c.kv_heads, c.groups, c.head_dim)
+            sk[index][row_index, :, slots] = rotate(k).to(torch.bfloat16).view(rows, width, c.kv_heads, c.head_dim)
+            sv[index][row_index, :, slots] = v.to(torch.bfloat16).view(rows, width, c.kv_heads, c.head_dim)
+            out = self._torch_attend(q, pk[index] if pk else None, pv[index] if pv else None, sk[index], sv[index],
+                                     start)
+            x += mm(out.view(rows * width, -1), layer.w_o, layer.s_o).float()
+            gu = mm(self._rmsnorm(x, layer.ln2), layer.w_gu, layer.s_gu).float()
+            act = (F.silu(gu[:, :c.intermediate]) * gu[:, c.intermediate:]).to(torch.bfloat16)
+            x += mm(act, layer.w_down, layer.s_down).float()
+
+    def _torch_attend(self, q, pk, pv, sk, sv, start) -> torch.Tensor:
+        """q [R, W, KV, G, D] bf16 -> [R, W, KV, G, D] bf16: prefix (unmasked) and suffix (causal) softmaxes
+        merged by log-sum-exp; scores come out of bf16 bmm (rounded to bf16), statistics in fp32."""
+        rows, width, kv, groups, dim = q.shape
+        grouped = q.permute(0, 2, 1, 3, 4).reshape(rows, kv, width * groups, dim)  # query n = w * G + g
+        used = int(start.max()) + width
+        keys, values = sk[:, :, :used], sv[:, :, :used]
+        scores = torch.matmul(grouped, keys.transpose(2, 3)).float()  # [R, KV, W*G, used]
+        limit = (start[:, None] + torch.arange(width) + 1).repeat_interleave(groups, dim=1)  # [R, W*G]
+        visible = torch.arange(used) < limit[:, :, None]
+        scores.masked_fill_(~visible[:, None], float("-inf"))
+        peak = scores.amax(-1, keepdim=True)
+        if pk is not None and pk.shape[1]:
+            stacked = grouped.transpose(0, 1).reshape(kv, rows * width * groups, dim)
+            prefix_scores = torch.bmm(stacked, pk.transpose(1, 2)).float()
+            prefix_peak = prefix_scores.amax(-1, keepdim=True).view(kv, rows, -1, 1).transpose(0, 1)
+            peak = torch.maximum(peak, prefix_peak)
+            prefix_weights = prefix_scores.sub_(peak.transpose(0, 1).reshape(kv, -1, 1)).exp_()
+            prefix_sum = prefix_weights.sum(-1, keepdim=True).view(kv, rows, -1, 1).transpose(0, 1)
+            prefix_out = torch.bmm(prefix_weights.to(torch.bfloat16), pv).float()
+            prefix_out = prefix_out.view(kv, rows, -1, dim).transpose(0, 1)
+        weights = scores.sub_(peak).exp_()
+        total = weights.sum(-1, keepdim=True)
+        out = torch.matmul(weights.to(torch.bfloat16), values).float()
+        if pk is not None and pk.shape[1]:
+            total = total + prefix_sum
+            out = out + prefix_out
+        out = (out / total).view(rows, kv, width, groups, dim).permute(0, 2, 1, 3, 4)
+        return out.to(torch.bfloat16).contiguous()
+
+    # ---- public API ----
+
+    @torch.inference_mode()
+    def prefill_prefix(self, token_ids: Sequence[int]) -> PrefixKV:
+        """The snapshot of a document prefix: per layer K and V ``[kv_heads, T, head_dim]`` bf16 (contiguous),
+        computed in blocks of ``prefill_block`` tokens from position 0."""
+        c = self.config
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("empty prefix")
+        keys = [torch.empty(c.kv_heads, n, c.head_dim, dtype=torch.bfloat16) for _ in range(c.layers)]
+        values = [torch.empty(c.kv_heads, n, c.head_dim, dtype=torch.bfloat16) for _ in range(c.layers)]
+        ids = torch.tensor(list(token_ids), dtype=torch.long)
+        zero = torch.zeros(1, dtype=torch.long)
+        for begin in range(0, n, self.prefill_block):
+            end = min(n, begin + self.prefill_block)
+            prefix = ([k[:, :begin] for k in keys], [v[:, :begin] for v in values]) if begin else None
+            self._block(ids[None, begin:end], prefix, [k[None, :, begin:end] for k in keys],
+                        [v[None, :, begin:end] for v in values], zero)
+        return keys, values
+
+    @torch.inference_mode()
+    def logits(self, prefix: PrefixKV | None, suffix_ids: Sequence[int]) -> torch.Tensor:
+        """Logits fp32 [len(suffix_ids), vocab] at every suffix position (the exactness check)."""
+        sk, sv = self._new_suffix(1, _round_up(len(suffix_ids), 16))
+        hidden = self._block(torch.tensor([list(suffix_ids)]), prefix, sk, sv, torch.zeros(1, dtype=torch.long))
+        return self._head(hidden[0])
+
+    def answer(self, prefix: PrefixKV | None, suffix_ids: Sequence[int], max_new_tokens: int,
+               eos_token_ids: Iterable[int] | None = None, keep_logits: bool = True) -> Generation:
+        """Greedy answer to ``suffix_ids`` (question tokens) after ``prefix`` (a snapshot, or None)."""
+        return self.answer_batch(prefix, [suffix_ids], max_new_tokens, eos_token_ids, keep_logits)[0]
+
+    def answer_full(self, prompt_ids: Sequence[int], prefix_len: int, max_new_tokens: int,
+                    eos_token_ids: Iterable[int] | None = None, keep_logits: bool = True) -> Generation:
+        """The full-prompt route: the same blocks as a cache hit (prefix blocks, then the question block),
+        computed from scratch. Bitwise identical to ``answer(prefill_prefix(ids[:p]), ids[p:], ...)``."""
+        started = time.perf_counter()
+        prefix = self.prefill_prefix(prompt_ids[:prefix_len]) if prefix_len else None
+        prefill_s = time.perf_counter() - started
+        result = self.answer(prefix, prompt_ids[prefix_len:], max_new_tokens, eos_token_ids, keep_logits)
+        result.ttft_s += prefill_s  # timings from this call's start
+        result.total_s += prefill_s
+        return result
+
+    def answer_batch(self, prefix: PrefixKV | None, suffixes: Sequence[Sequence[int]], max_new_tokens: int,
+                     eos_token_ids: Iterable[int] | None = None, keep_logits: bool = True) -> list[Generation]:
+        """Greedy answers to several questions over one prefix (see ``steps``)."""
+        started = time.perf_counter()
+        results = [Generation([]) for _ in suffixes]
+        for step in self.steps(prefix, suffixes, max_new_tokens, eos_token_ids, keep_logits):
+            now = time.perf_counter() - started
+            for row, (token, logits) in step.items():
+                result = results[row]
+                result.tokens.append(token)
+                if logits is not None:
+                    result.logits.append(logits)
+                result.ttft_s = result.ttft_s or now
+                result.total_s = now
+        eos = set(self.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        for result in results:
+            result.finish_reason = "eos" if result.tokens[-1] in eos else "length"
+        return results
+
+    @torch.inference_mode()
+    def steps(self, prefix: PrefixKV | None, suffixes: Sequence[Sequence[int]], max_new_tokens: int,
+              eos_token_ids: Iterable[int] | None = None, keep_logits: bool = False
+              ) -> Iterator[dict[int, tuple[int, torch.Tensor | None]]]:
+        """Greedy decoding of several questions over one prefix, one step at a time: yields ``{row: (token,
+        logits or None)}`` for the rows still running. A row stops after an EOS token (yielded) or
+        ``max_new_tokens`` tokens. Each question block is prefilled on its own (so it computes exactly what a
+        single answer computes), then the rows decode together, one token per row per step, reading the prefix
+        once per step for all rows."""
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if any(len(s) == 0 for s in suffixes):
+            raise ValueError("every question needs at least one token")
+        eos = set(self.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        rows = len(suffixes)
+        capacity = _round_up(max(map(len, suffixes)) + max_new_tokens, 16)
+        sk, sv = self._new_suffix(rows, capacity)
+        lengths = torch.zeros(rows, dtype=torch.long)
+        feed = torch.zeros(rows, dtype=torch.long)
+        produced = [0] * rows
+        zero = torch.zeros(1, dtype=torch.long)
+
+        def take(row: int, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+            produced[row] += 1
+            return int(logits.argmax()), logits.clone() if keep_logits else None
+
+        for row, ids in enumerate(suffixes):
+            hidden = self._block(torch.tensor([list(ids)]), prefix, [k[row:row + 1] for k in sk],
+                                 [v[row:row + 1] for v in sv], zero)
+            token, logits = take(row, self._head(hidden[0, -1:])[0])
+            yield {row: (token, logits)}
+            lengths[row] = len(ids)
+            feed[row] = token
+        running = [row for row in range(rows) if int(feed[row]) not in eos and produced[row] < max_new_tokens]
+        if len(running) < rows:
+            sk, sv, lengths, feed = _keep(sk, sv, lengths, feed, running)
+        while running:
+            hidden = self._block(feed[:, None], prefix, sk, sv, lengths)
+            logits = self._head(hidden[:, 0])
+            lengths += 1
+            step = {row: take(row, logits[position]) for position, row in enumerate(running)}
+            yield step
+            keep = [position for position, row in enumerate(running)
+                    if step[row][0] not in eos and produced[row] < max_new_tokens]
+            for position in keep:
+                feed[position] = step[running[position]][0]
+            if len(keep) < len(running):
+                sk, sv, lengths, feed = _keep(sk, sv, lengths, feed, keep)
+                running = [running[position] for position in keep]
+
+
+def _keep(sk, sv, lengths, feed, rows: list[int]):
+    """Keep only the rows still decoding (copies the suffix buffers, never the prefix)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    return ([k.index_select(0, index) for k in sk], [v.index_select(0, index) for v in sv],
+            lengths.index_select(0, index), feed.index_select(0, index))
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
