@@ -271,6 +271,10 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
         from ..bench.engine import main as run_engine_bench
 
         return run_engine_bench(config, args)
+    if args.which == "answers":
+        from ..bench.answers import main as run_answers_bench
+
+        return run_answers_bench(config, args)
     measure, show = {"retrieval": (benchmarks.retrieval_recall, benchmarks.print_retrieval_table),
                      "routing": (benchmarks.routing_calibration, benchmarks.print_routing_table)}[args.which]
     try:
@@ -348,10 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(run=cmd_config)
 
     bench = commands.add_parser("bench", help="benchmarks (reported, never asserted)")
-    bench.add_argument("which", choices=("retrieval", "routing", "engine"),
+    bench.add_argument("which", choices=("retrieval", "routing", "engine", "answers"),
                        help="retrieval: recall@k of BM25, vector and hybrid search; routing: in-scope detection "
-                            "per threshold and its calibration; engine: answer speed from a resident snapshot")
-    engine = bench.add_argument_group("options of `bench engine`")
+                            "per threshold and its calibration; engine: answer speed from a resident snapshot; "
+                            "answers: facts found in answers from snapshots, int8 against fp32")
+    engine = bench.add_argument_group("options of `bench engine` and `bench answers`")
     engine.add_argument("--model", default="smollm2-135m", help="a model preset or path (default smollm2-135m)")
     engine.add_argument("--runs", type=int, default=3, help="short runs per cell; the median is reported")
     engine.add_argument("--peer", choices=("llama-cpp",),

@@ -8,14 +8,45 @@ version, model fingerprint, the exact prefix token ids).
 from __future__ import annotations
 
 import json
+import math
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .keys import FORMAT_VERSION, SnapshotFormatError, SnapshotKey, read_metadata
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
+warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)  # snapshots are read-only
+
+
+def _tensor_views(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """The safetensors tensors as views into ``data``, not copies: loading a snapshot costs its read and its
+    checksum, nothing more. The tensors keep ``data`` alive; nothing writes them (requests only read)."""
+    try:
+        header_len = int.from_bytes(bytes(data[:8]), "little")
+        header = json.loads(bytes(data[8:8 + header_len]))
+        base = 8 + header_len
+        tensors = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _DTYPES[info["dtype"]]
+            start, end = (int(x) for x in info["data_offsets"])
+            shape = [int(x) for x in info["shape"]]
+            count = math.prod(shape)
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            if not 0 <= start <= end <= len(data) - base or end - start != count * itemsize:
+                raise ValueError(f"tensor {name}: offsets {start}..{end} do not fit its shape or the file")
+            flat = (torch.frombuffer(data, dtype=dtype, count=count, offset=base + start) if count
+                    else torch.empty(0, dtype=dtype))
+            tensors[name] = flat.view(shape)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SnapshotFormatError(f"not a safetensors snapshot: {exc}") from None
+    return tensors
 
 
 @dataclass
@@ -74,10 +105,7 @@ class Snapshot:
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Snapshot":
         metadata = read_metadata(data)
-        try:
-            tensors = st_load(bytes(data))
-        except Exception as exc:  # safetensors raises several unrelated types for bad input
-            raise SnapshotFormatError(f"not a safetensors snapshot: {exc}") from None
+        tensors = _tensor_views(data)
         try:
             n_layers = int(metadata["n_layers"])
             keys = [tensors[f"k.{i}"] for i in range(n_layers)]

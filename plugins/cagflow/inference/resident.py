@@ -387,7 +387,7 @@ class ResidentSet:
 def load_snapshot(store: SnapshotStore, entry: ReleaseEntry) -> Snapshot:
     """Read, verify against the release's sha256, and check the header names the same key."""
     try:
-        snapshot = Snapshot.from_bytes(store.get(entry.object_name, sha256=entry.sha256))
+        snapshot = Snapshot.from_bytes(store.get_view(entry.object_name, sha256=entry.sha256))
     except NotFound:
         raise SnapshotUnusable(f"snapshot {entry.key} is missing from {store.url}", code="snapshot_missing") from None
     except (ChecksumMismatch, SnapshotFormatError) as exc:

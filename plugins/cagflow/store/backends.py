@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import fcntl
 import hashlib
+import mmap
 import os
 import tempfile
 import time
@@ -77,7 +78,7 @@ def _check_name(name: str) -> str:
     return name
 
 
-def _verify(name: str, data: bytes, expected: str | None) -> bytes:
+def _verify(name: str, data: bytes | mmap.mmap, expected: str | None) -> bytes | mmap.mmap:
     if expected is not None:
         actual = hashlib.sha256(data).hexdigest()
         if actual != expected:
@@ -97,6 +98,11 @@ class SnapshotStore(ABC):
     @abstractmethod
     def get(self, name: str, *, sha256: str | None = None) -> bytes:
         """Read and verify against ``sha256`` (or the checksum stored with the object)."""
+
+    def get_view(self, name: str, *, sha256: str | None = None) -> bytes | mmap.mmap:
+        """``get`` for large immutable objects (snapshots), verified the same way; a store that can
+        (``LocalStore``) maps the file instead of copying it, so every process shares the page cache."""
+        return self.get(name, sha256=sha256)
 
     @abstractmethod
     def head(self, name: str) -> ObjectInfo | None:
@@ -193,6 +199,21 @@ class LocalStore(SnapshotStore):
         except OSError as exc:
             raise StoreUnavailable(f"{self.url}: cannot read {name}: {exc.strerror}") from None
         return _verify(name, data, sha256 or self._stored_sha(path))
+
+    def get_view(self, name: str, *, sha256: str | None = None) -> bytes | mmap.mmap:
+        path = self._path(name)
+        try:
+            expected = sha256 or self._stored_sha(path)
+            with open(path, "rb") as handle:
+                if os.fstat(handle.fileno()).st_size == 0:  # nothing to map
+                    return _verify(name, b"", expected)
+                # private (copy-on-write) mapping: writable for torch, never written back to the file
+                view = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (FileNotFoundError, NotADirectoryError):
+            raise NotFound(f"{name} not found in {self.url}") from None
+        except OSError as exc:
+            raise StoreUnavailable(f"{self.url}: cannot read {name}: {exc.strerror}") from None
+        return _verify(name, view, expected)
 
     def head(self, name: str) -> ObjectInfo | None:
         path = self._path(name)

@@ -27,14 +27,21 @@ class CountingStore(LocalStore):
         self.gate: threading.Event | None = None
         self.down = False
 
-    def get(self, name, *, sha256=None):
+    def _reading(self, name):
         if name.startswith("snapshots/"):
             self.snapshot_reads.append(name)
             if self.down:
                 raise StoreUnavailable(f"{self.url} unreachable")
             if self.gate is not None:
                 self.gate.wait(10)
+
+    def get(self, name, *, sha256=None):
+        self._reading(name)
         return super().get(name, sha256=sha256)
+
+    def get_view(self, name, *, sha256=None):
+        self._reading(name)
+        return super().get_view(name, sha256=sha256)
 
 
 class Recorder(ResidentListener):

@@ -123,6 +123,25 @@ def test_flipped_byte_is_detected_with_an_explicit_checksum(store: LocalStore):
     assert not store.exists_verified("obj.bin", sha256(data))
 
 
+@pytest.mark.parametrize("offset", [0, 5000, 64 * 1024 - 1])
+def test_a_mapped_read_is_verified_like_a_copy(store: LocalStore, offset: int):
+    """``get_view`` maps the file instead of copying it: the same bytes, the same verdict on any flipped byte,
+    and the mapping is private (writing to it never reaches the file)."""
+    data = bytes(range(256)) * 256
+    store.put("big.bin", data)
+    view = store.get_view("big.bin", sha256=sha256(data))
+    assert bytes(view) == data and store.get_view("big.bin")[:16] == data[:16]
+    view[0] = (view[0] + 1) % 256
+    assert store.get("big.bin") == data
+    flip_one_byte(store.root / "big.bin", offset=offset)
+    with pytest.raises(ChecksumMismatch):
+        store.get_view("big.bin")
+    with pytest.raises(ChecksumMismatch):
+        store.get_view("big.bin", sha256=sha256(data))
+    with pytest.raises(NotFound):
+        store.get_view("missing.bin")
+
+
 def test_explicit_checksum_takes_precedence_over_the_sidecar(store: LocalStore):
     store.put("obj.bin", b"payload")
     with pytest.raises(ChecksumMismatch):

@@ -1,0 +1,27 @@
+"""`cagflow bench answers` on the tiny model: both precisions answer the same questions from snapshots, and
+the report counts what it says it counts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from cagflow.bench import answers
+from cagflow.config import load_config
+
+
+def test_answers_bench_compares_both_precisions(tiny_model_dir, corpus_manifest_path, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(answers, "MAX_NEW_TOKENS", 4)
+    monkeypatch.setattr(answers, "save_report", lambda name, report: (tmp_path / "r.json").write_text(json.dumps(report)))
+    config = load_config(environ={"CAGFLOW__CORPUS__MANIFEST": str(corpus_manifest_path)})
+    assert answers.main(config, argparse.Namespace(model=str(tiny_model_dir))) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    int8, fp32 = report["precisions"]["int8"], report["precisions"]["fp32"]
+    assert int8["recipe"].startswith("fastlm") and fp32["recipe"] == "fp32"
+    assert int8["questions"] == fp32["questions"] == 50  # the sample questions a fixed document answers
+    assert [r["id"] for r in int8["rows"]] == [r["id"] for r in fp32["rows"]]
+    for result in (int8, fp32):
+        assert result["found"] == sum(r["found"] for r in result["rows"])
+        assert all(1 <= len(r["token_ids"]) <= 4 for r in result["rows"])
+    assert 0 <= report["identical_answers"] <= 50
+    assert "facts found" in capsys.readouterr().out
