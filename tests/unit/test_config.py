@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 from cagflow.config import ConfigError, load_config, read_secret
 
@@ -77,3 +79,30 @@ def test_environment_values_that_are_not_yaml_stay_strings():
 def test_chunk_overlap_must_be_below_chunk_size():
     with pytest.raises(ConfigError, match="retrieval.chunk_overlap_tokens"):
         load_config(environ={"CAGFLOW__RETRIEVAL__CHUNK_TOKENS": "50", "CAGFLOW__RETRIEVAL__CHUNK_OVERLAP_TOKENS": "50"})
+
+
+def test_the_example_config_lists_every_key_with_its_default():
+    """config/cagflow.example.yaml is what operators copy: it cannot drift from the typed config. Every key
+    is there, and every value is the default except the deployment paths it deliberately shows."""
+    import yaml
+    from cagflow.config import Config
+
+    example_path = Path(__file__).resolve().parents[2] / "config" / "cagflow.example.yaml"
+    example = yaml.safe_load(example_path.read_text())
+    defaults = Config().model_dump()
+    deployment_paths = {("service", "api_keys_file"), ("cache", "state_store")}
+
+    def walk(expected: dict, given: dict, where: tuple[str, ...]) -> list[str]:
+        problems = [f"{'.'.join(where + (key,))}: missing" for key in expected if key not in given]
+        problems += [f"{'.'.join(where + (key,))}: not a key of the typed config" for key in given if key not in expected]
+        for key, value in expected.items():
+            if key not in given:
+                continue
+            if isinstance(value, dict):
+                problems += walk(value, given[key], where + (key,))
+            elif where + (key,) not in deployment_paths and given[key] != value:
+                problems.append(f"{'.'.join(where + (key,))}: example {given[key]!r}, default {value!r}")
+        return problems
+
+    assert walk(defaults, example, ()) == []
+    load_config(example_path, environ={})  # and it validates

@@ -20,12 +20,14 @@ import torch
 from ..config import Config
 from ..core.documents import Section
 from ..core.engine import QUESTION_ONLY_SYSTEM, DocumentPart, Engine
+from ..core.prompt import Passage
 from ..core.model import ModelError, load_model
 from ..core.snapshot import Snapshot
 from .report import save_report
 
 DOCUMENT_TOKENS = (512, 2048, 4096, 7800)  # SmolLM2 has 8192 positions: "8k" leaves room for question + answer
 ANSWER_TOKENS = 40
+RETRIEVAL_TOKENS = 800  # what the retrieval route prefills: four chunks of ~200 tokens and the template
 BATCH_SIZES = (1, 2, 4, 8)
 BATCH_DOCUMENT_TOKENS = 2048
 BATCH_NEW_TOKENS = 24
@@ -110,9 +112,20 @@ def _peer_cases(engine: Engine, snapshots: dict[int, Snapshot]) -> list[dict]:
     return cases
 
 
+def retrieval_passages(engine: Engine, corpus_dir: Path, tokens: int = RETRIEVAL_TOKENS) -> list[Passage]:
+    """Passages of about ``tokens`` tokens in all (four chunks, as the retrieval route sends)."""
+    words = synthetic_part(engine, corpus_dir, tokens).sections[0].text.split(" ")
+    quarter = len(words) // 4
+    return [Passage(" ".join(words[i * quarter:(i + 1) * quarter]), "Bench", f"Chunk {i + 1}") for i in range(4)]
+
+
 def measure(engine: Engine, corpus_dir: Path, runs: int) -> dict:
     engine.answer("Warm up?", max_new_tokens=2)
     question_only = _median_of(runs, lambda: _timed(engine, None))
+    passages = retrieval_passages(engine, corpus_dir)
+    retrieval = _median_of(runs, lambda: {"ttft_s": engine.answer(QUESTIONS[0], context=passages,
+                                                                  max_new_tokens=1).ttft_s})
+    retrieval["prompt_tokens"] = engine.answer(QUESTIONS[0], context=passages, max_new_tokens=1).prompt_tokens
     rows = []
     snapshots = {}
     for tokens in DOCUMENT_TOKENS:
@@ -140,7 +153,7 @@ def measure(engine: Engine, corpus_dir: Path, runs: int) -> dict:
         seconds, tokens = sorted(timings)[len(timings) // 2]
         batches.append({"questions": size, "answers_per_s": size / seconds, "tokens_per_s": tokens / seconds,
                         "seconds": seconds})
-    return {"question_only": question_only, "documents": rows, "batch_document_tokens": batch_snapshot.n_tokens,
+    return {"question_only": question_only, "retrieval": retrieval, "documents": rows, "batch_document_tokens": batch_snapshot.n_tokens,
             "batch_new_tokens": BATCH_NEW_TOKENS, "batches": batches, "snapshots": snapshots}
 
 
@@ -189,6 +202,8 @@ def print_table(report: dict) -> None:
     print(f"{report['model']} ({report['recipe']}), {report['threads']} thread(s), median of {report['runs']} runs; "
           f"answer = TTFT + {ANSWER_TOKENS - 1} decoded tokens. Question only: TTFT {q['ttft_s'] * 1000:.0f} ms, "
           f"decode {q['decode_tok_s']:.1f} tok/s")
+    r = report["retrieval"]
+    print(f"Retrieval route ({r['prompt_tokens']} prompt tokens, nothing cached): TTFT {r['ttft_s'] * 1000:.0f} ms")
     print(f"{'doc tokens':>10} {'TTFT full s':>11} {'TTFT hit ms':>11} {'hit/q-only':>10} {'decode tok/s':>12} "
           f"{'vs q-only':>9} {'answer s':>8} {'B/token':>8} {'load MB/s':>9} {'raw MB/s':>9}")
     for row in report["documents"]:

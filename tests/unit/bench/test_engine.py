@@ -14,3 +14,29 @@ def test_serving_workload_counts_every_request_once(tiny_engine, corpus_manifest
     assert report["computed"] + report["merged"] + report["answer-cache"] == report["requests"]
     assert 1 <= report["computed"] <= report["distinct_questions"]  # each question is computed at most once
     assert report["answer-cache"] > 0 and report["merge_rate"] + report["answer_cache_hit_rate"] > 0.5
+
+
+def test_engine_measurements_on_the_tiny_model(tiny_engine, corpus_manifest_path, monkeypatch, capsys):
+    """Every figure of the table is measured (short documents, one run), and the table prints."""
+    monkeypatch.setattr(engine_bench, "DOCUMENT_TOKENS", (300, 600))
+    monkeypatch.setattr(engine_bench, "BATCH_DOCUMENT_TOKENS", 600)
+    monkeypatch.setattr(engine_bench, "BATCH_SIZES", (1, 2))
+    measured = engine_bench.measure(tiny_engine, corpus_manifest_path.parent / "fixed", runs=1)
+    snapshots = measured.pop("snapshots")
+    assert sorted(snapshots) == [300, 600] and 500 <= measured["retrieval"]["prompt_tokens"] <= 900
+    config = tiny_engine.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2  # K and V, bf16
+    for row, tokens in zip(measured["documents"], (300, 600)):
+        assert tokens - 40 <= row["document_tokens"] <= tokens and row["snapshot_bytes_per_token"] == per_token
+        assert 0 < row["hit_ttft_s"] < row["hit_answer_s"] and row["hit_decode_tok_s"] > 0
+        assert row["bytes"] > per_token * row["document_tokens"] and row["load_mb_s"] > 0
+    assert [b["questions"] for b in measured["batches"]] == [1, 2]
+    peer = {"llama_cpp_version": "x", "gguf": "m.gguf", "cases": [
+        {"name": name, "restore_s": 0.01, "ttft_s": 0.1, "decode_tok_s": 50.0, "answer_s": 1.0, "state_bytes": 10**6}
+        for name in ("question-only", "300", "600")]}
+    serving = {"requests": 1, "burst": 1, "distinct_questions": 1, "computed": 1, "merged": 0, "answer-cache": 0,
+               "merge_rate": 0.0, "answer_cache_hit_rate": 0.0, "answers_per_s": 1.0}
+    engine_bench.print_table({"model": "tiny", "recipe": tiny_engine.recipe, "threads": 1, "runs": 1, **measured,
+                              "peer": peer, "serving": serving})
+    table = capsys.readouterr().out
+    assert "llama.cpp x on m.gguf" in table and "Retrieval route" in table
