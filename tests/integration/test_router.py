@@ -294,24 +294,48 @@ class Forwarder:
                     pass
 
 
-def test_readiness_fails_while_opensearch_is_unreachable_and_recovers(opensearch_url, corpus_index, triton,
-                                                                     release_store, keys):
+def test_readiness_degrades_while_opensearch_or_the_store_is_away_and_recovers(opensearch_url, corpus_index, triton,
+                                                                                release_store, keys, tmp_path):
+    """While the cache route can still answer, /readyz stays 200 and says what is missing (a load balancer
+    must keep this router); with no release and no OpenSearch nothing can answer: 503."""
     store, _ = release_store
     forwarder = Forwarder(opensearch_url)
     settings = router_settings(f"http://127.0.0.1:{forwarder.port}", corpus_index, triton, store, keys[0])
     config: Config = load_config(environ={**settings, "CAGFLOW__SERVICE__RELEASE_POLL_S": "0",
                                           "CAGFLOW__RETRIEVAL__TIMEOUT_S": "1"})
     app = create_app(config)
+    empty = load_config(environ={**settings, "CAGFLOW__SERVICE__RELEASE_POLL_S": "0",
+                                 "CAGFLOW__RETRIEVAL__TIMEOUT_S": "1",
+                                 "CAGFLOW__CACHE__STATE_STORE": f"file://{tmp_path / 'never-written'}"})
+    app_without_release = create_app(empty)
     try:
         down = app.test_client().get("/readyz")
-        assert down.status_code == 503 and not down.get_json()["opensearch"]["reachable"]
-        assert any(reason.startswith("opensearch: unreachable") for reason in down.get_json()["reasons"])
+        body = down.get_json()
+        assert down.status_code == 200 and body["degraded"] and not body["opensearch"]["reachable"], body
+        assert any(reason.startswith("opensearch: unreachable") and "cache route" in reason
+                   for reason in body["reasons"])
+        nothing = app_without_release.test_client().get("/readyz")
+        assert nothing.status_code == 503 and not nothing.get_json()["ready"], nothing.get_json()
+        assert nothing.get_json()["store"]["reachable"] is False  # never created by a reader
+
         forwarder.open()
         back = app.test_client().get("/readyz")
         assert back.status_code == 200 and back.get_json()["opensearch"]["reachable"], back.get_json()
+        assert not any(reason.startswith("opensearch") for reason in back.get_json()["reasons"]), back.get_json()
+
+        moved = store.root.with_name(store.root.name + "-moved")
+        store.root.rename(moved)
+        try:
+            away = app.test_client().get("/readyz").get_json()
+            assert away["ready"] and away["degraded"] and away["store"]["reachable"] is False, away
+            assert not store.root.exists()  # the check did not recreate it
+        finally:
+            moved.rename(store.root)
+        assert app.test_client().get("/readyz").get_json()["store"]["reachable"] is True
     finally:
         forwarder.close()
         app.extensions["cagflow_router"].close()
+        app_without_release.extensions["cagflow_router"].close()
 
 
 def wait_until_free(ports, timeout_s: float = 120.0) -> None:

@@ -26,7 +26,7 @@ def cmd_precompute(args: argparse.Namespace, config: Config) -> int:
     from .console import precompute_with_progress
 
     store = _store(config, args.store)
-    store.ping()
+    store.ping(create=True)
     precompute_with_progress(_engine(config), store, args.manifest or config.corpus.manifest, args.doc_id,
                              args.force, args.quiet)
     return 0

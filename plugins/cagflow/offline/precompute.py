@@ -111,7 +111,7 @@ def precompute_and_publish(engine: Engine, store: SnapshotStore, manifest: Corpu
                            ) -> tuple[Release, bool, list[PrecomputeResult]]:
     """Every step in this process: plan, precompute each part, publish. ``on_planned`` hears the number of
     parts, ``on_done`` each part's result (progress reporting)."""
-    store.ping()
+    store.ping(create=True)
     parts = plan_parts(engine, manifest, list(doc_ids) if doc_ids else None)
     if on_planned:
         on_planned(len(parts))
@@ -130,5 +130,5 @@ def precompute_document(engine: Engine, store: SnapshotStore, doc_id: str, doc_v
     """Store every part of one document given as parsed text (``cag_precompute``: the serving tier computes,
     the scheduler publishes); idempotent like ``precompute_part``."""
     parts = engine.split(doc_id, doc_version, document)
-    store.ping()
+    store.ping(create=True)
     return [precompute_part(engine, store, part, force) for part in parts]

@@ -43,3 +43,4 @@ RESIDENT_SNAPSHOTS = Gauge("cagflow_router_triton_resident_snapshots",
                            "snapshots resident in Triton's cag_llm, as last seen by a readiness check")
 RELEASE_SNAPSHOTS = Gauge("cagflow_router_release_snapshots", "snapshots in the active release")
 READY = Gauge("cagflow_router_ready", "1 when the last readiness check passed")
+DEGRADED = Gauge("cagflow_router_degraded", "1 when the last readiness check found a part missing (see /readyz)")

@@ -223,9 +223,11 @@ class Router:
     # ---- readiness ----------------------------------------------------------------------------------
 
     def readiness(self) -> dict[str, Any]:
-        """``ready``: every kind of question can be answered (Triton's model and OpenSearch answer).
-        ``degraded``: serving, but with less than it should (no release, store unreachable, snapshots not
-        preloaded, no fixed chunks for scope detection, retrieval index missing)."""
+        """``ready`` (200): at least one route can answer — the cache route (Triton's model and an active
+        release) or retrieval (Triton's model and OpenSearch); 503 only when neither can, so a load balancer
+        keeps a router that still answers. ``degraded``: serving with less than it should (OpenSearch down,
+        no release, store unreachable, snapshots not preloaded, no fixed chunks for scope detection,
+        retrieval index missing)."""
         reasons: list[str] = []
         degraded: list[str] = []
         triton_ready = self.triton.model_ready()
@@ -242,9 +244,7 @@ class Router:
             metrics.RESIDENT_SNAPSHOTS.set(resident)
         store = {"url": self.store.url, "reachable": True}
         try:
-            self._timed_store(self.store.get, CURRENT_POINTER)
-        except NotFound:
-            pass
+            self._timed_store(self.store.ping)
         except StoreError as exc:
             store = {"url": self.store.url, "reachable": False, "error": str(exc)}
             degraded.append("store unreachable: release changes are not followed")
@@ -256,12 +256,16 @@ class Router:
             if not health["alias_exists"]:
                 degraded.append(f"opensearch: index alias {self.index.alias!r} missing: retrieval finds nothing")
         except RetrievalError as exc:
-            reasons.append(f"opensearch: unreachable at {self.index.endpoint}")
             opensearch["error"] = str(exc)
+            if release is not None:
+                degraded.append(f"opensearch: unreachable at {self.index.endpoint}: only the cache route answers")
+            else:
+                reasons.append(f"opensearch: unreachable at {self.index.endpoint}, and no release to answer from")
         if release is not None and self.scope.size == 0:
             degraded.append("scope detection has no fixed chunks: only doc_id requests take the cache route")
         ready = not reasons
         metrics.READY.set(1 if ready else 0)
+        metrics.DEGRADED.set(1 if degraded else 0)
         return {
             "ready": ready, "degraded": bool(degraded), "reasons": reasons + degraded,
             "triton": {"url": self.triton.base, "ready": triton_ready, "resident_snapshots": resident},

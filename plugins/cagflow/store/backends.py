@@ -117,8 +117,9 @@ class SnapshotStore(ABC):
         """Remove ``name``; a missing object is not an error."""
 
     @abstractmethod
-    def ping(self) -> None:
-        """Raise ``StoreUnavailable`` unless the store answers."""
+    def ping(self, *, create: bool = False) -> None:
+        """Raise ``StoreUnavailable`` unless the store answers. ``create``: a writer about to fill a new store
+        may create its root (a local folder); a reader never does, so a store that vanished is reported."""
 
     def exists_verified(self, name: str, sha256: str | None = None) -> bool:
         """True when ``name`` exists and its bytes match its checksum: the 'skip, already done' test."""
@@ -240,9 +241,12 @@ class LocalStore(SnapshotStore):
         for victim in (path, self._sidecar(path), path.with_name(path.name + ".lock")):
             victim.unlink(missing_ok=True)
 
-    def ping(self) -> None:
+    def ping(self, *, create: bool = False) -> None:
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            if create:
+                self.root.mkdir(parents=True, exist_ok=True)
+            elif not self.root.is_dir():
+                raise StoreUnavailable(f"{self.url}: no such folder (moved, unmounted, or never written)")
             if not os.access(self.root, os.R_OK | os.W_OK):
                 raise StoreUnavailable(f"{self.url}: not readable and writable")
         except OSError as exc:
@@ -357,7 +361,7 @@ class S3Store(SnapshotStore):
             if not isinstance(error, NotFound):
                 raise error from None
 
-    def ping(self) -> None:
+    def ping(self, *, create: bool = False) -> None:
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except _S3_ERRORS as exc:

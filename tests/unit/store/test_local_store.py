@@ -8,7 +8,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from cagflow.store.backends import AlreadyExists, ChecksumMismatch, LocalStore, NotFound, ObjectInfo
+from cagflow.store.backends import (AlreadyExists, ChecksumMismatch, LocalStore, NotFound, ObjectInfo,
+                                     StoreUnavailable)
 
 RACE_ROUNDS = 10
 
@@ -244,3 +245,13 @@ def test_no_temp_files_after_successful_and_failed_puts(store: LocalStore):
     assert temp_files(store.root) == []
     assert sorted(path.name for path in store.root.rglob("*") if path.is_file() and not path.name.endswith(".lock")) \
         == ["c.bin", "c.bin.sha256", "d.bin", "d.bin.sha256"]
+
+
+def test_a_reader_ping_reports_a_vanished_store_and_never_recreates_it(tmp_path: Path):
+    store = LocalStore(tmp_path / "store")
+    with pytest.raises(StoreUnavailable, match="no such folder"):
+        store.ping()
+    assert not store.root.exists()
+    store.ping(create=True)  # a writer about to fill it
+    assert store.root.is_dir()
+    store.ping()
