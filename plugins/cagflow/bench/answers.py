@@ -44,6 +44,7 @@ def answer_all(engine: Engine, manifest: Path, qa_path: Path) -> list[dict]:
 
 
 def main(config: Config, args: argparse.Namespace) -> int:
+    args.model = args.model or config.model.path
     manifest = Path(config.corpus.manifest)
     report: dict = {"model": args.model, "threads": config.model.threads, "precisions": {}}
     for precision in PRECISIONS:

@@ -254,6 +254,7 @@ def _peer(engine: Engine, model: str, snapshots: dict[int, Snapshot], runs: int)
 
 def main(config: Config, args: argparse.Namespace) -> int:
     """Run the benchmark on ``args.model`` (skipped with a message when that model is not installed)."""
+    args.model = args.model or config.model.path
     try:
         loaded = load_model(args.model, config.model.threads, config.model.precision)
     except ModelError as exc:

@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "per threshold and its calibration; engine: answer speed from a resident snapshot; "
                             "answers: facts found in answers from snapshots, int8 against fp32")
     engine = bench.add_argument_group("options of `bench engine` and `bench answers`")
-    engine.add_argument("--model", default="smollm2-135m", help="a model preset or path (default smollm2-135m)")
+    engine.add_argument("--model", help="a model preset or path (default: model.path of the configuration)")
     engine.add_argument("--runs", type=int, default=3, help="short runs per cell; the median is reported")
     engine.add_argument("--peer", choices=("llama-cpp",),
                         help="also run llama.cpp (llama-cpp-python, built once into its own virtual environment) "
