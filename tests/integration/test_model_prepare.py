@@ -1,5 +1,6 @@
 """Preparing the model on an empty cache, as on a fresh machine: several processes at once (Triton's model
-instances, `make run`'s own step) must neither crash nor leave half-written folders behind."""
+instances, `make run`'s own step) must neither crash nor leave half-written folders behind; that includes
+compiling the int8 engine's kernels into the same empty cache."""
 
 import os
 import subprocess
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.real_model
 
 def test_two_preparers_at_once_on_an_empty_model_cache(tmp_path):
     home = tmp_path / "home"
-    env = {**os.environ, "CAGFLOW_HOME": str(home)}
+    env = {**os.environ, "CAGFLOW_HOME": str(home), "CAGFLOW__MODEL__PATH": "smollm2-135m"}  # small: quick
     command = [sys.executable, "-m", "cagflow.client.cli", "model", "prepare"]
     preparers = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for _ in range(2)]
@@ -31,4 +32,5 @@ def test_two_preparers_at_once_on_an_empty_model_cache(tmp_path):
 
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and f"{fingerprints.pop()}\n" in again.stdout + "\n"
-    assert "converting" not in again.stderr
+    assert "converting" not in again.stderr and "compiling" not in again.stderr
+    assert list((home / "kernels").glob("fastlm_kernels_*/*.so"))  # built once, by one of them
