@@ -40,7 +40,9 @@ def test_a_run_triggered_through_the_rest_api_succeeds(tmp_path, tiny_model_dir,
         assert refused.value.code == 401
 
         run_id = airflow.trigger(DAG_ID)
-        run = airflow.wait_for_run(DAG_ID, run_id, timeout_s=600)
+        changes: list[tuple[tuple[str, int], str | None, str]] = []
+        run = airflow.wait_for_run(DAG_ID, run_id, timeout_s=600, on_change=lambda ti, old: changes.append(
+            ((ti["task_id"], ti["map_index"]), old, ti["state"])))
 
         assert run["state"] == "success", run["task_instances"]
         assert run["run_type"] == "manual" and run["conf"] == {}
@@ -48,6 +50,14 @@ def test_a_run_triggered_through_the_rest_api_succeeds(tmp_path, tiny_model_dir,
         assert {ti["state"] for ti in instances} == {"success"}
         mapped = sorted(ti["rendered_map_index"] for ti in instances if ti["task_id"] == "precompute")
         assert mapped == sorted(entry.doc_id for entry in corpus.tier("fixed"))
+        # progress was reported while waiting: every task was seen, each ending in success, and every task
+        # state change appears once, in order (old state = the previous new state)
+        last: dict[tuple[str, int], str | None] = {}
+        for task, old, new in changes:
+            assert old == last.get(task) and new != old, changes
+            last[task] = new
+        assert last == {(ti["task_id"], ti["map_index"]): "success" for ti in instances}
+        assert any(old is not None for _, old, _ in changes)  # seen before it finished, not only at the end
         release = load_release(LocalStore(store_dir))
         assert sorted(release.doc_ids) == mapped
 

@@ -26,7 +26,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 
@@ -259,14 +259,25 @@ class LocalAirflow(ServerContext):
         run = self.api("POST", f"/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf or {}})
         return run["dag_run_id"]
 
-    def wait_for_run(self, dag_id: str, run_id: str, timeout_s: float = 900.0) -> dict:
-        """The finished run with its task instances (``state``, ``duration`` each)."""
+    def wait_for_run(self, dag_id: str, run_id: str, timeout_s: float = 900.0,
+                     on_change: Callable[[dict, str | None], None] | None = None) -> dict:
+        """The finished run with its task instances (``state``, ``duration`` each). ``on_change(task_instance,
+        old_state)`` hears every task state change seen while waiting (polled every 2 s), so a person sees
+        progress."""
         path = f"/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id, safe='')}"
         deadline = time.monotonic() + timeout_s
+        states: dict[tuple[str, int], str | None] = {}
         while True:
             run = self.api("GET", path)
-            if run["state"] in FINISHED_RUN_STATES:
+            finished = run["state"] in FINISHED_RUN_STATES
+            if finished or on_change is not None:
                 run["task_instances"] = self.api("GET", f"{path}/taskInstances?limit=1000")["task_instances"]
+                for ti in run["task_instances"] if on_change is not None else ():
+                    key = (ti["task_id"], ti["map_index"])  # a mapped task's label appears once it runs
+                    if states.get(key) != ti["state"]:  # not yet scheduled (no state) is not news
+                        on_change(ti, states.get(key))
+                        states[key] = ti["state"]
+            if finished:
                 return run
             if time.monotonic() > deadline:
                 raise AirflowServiceError(f"run {run_id} of {dag_id} still {run['state']} after {timeout_s:.0f} s")
@@ -276,11 +287,15 @@ class LocalAirflow(ServerContext):
 # ---- command line ----------------------------------------------------------------------------------
 
 
+def _task_label(ti: dict) -> str:
+    """``task_id``, with the mapped item for a mapped task (``precompute[support-faq]``)."""
+    return ti["task_id"] + (f"[{ti.get('rendered_map_index') or ti['map_index']}]" if ti["map_index"] >= 0 else "")
+
+
 def _describe_run(run: dict) -> str:
     lines = [f"run {run['dag_run_id']}: {run['state']} ({run.get('start_date')} -> {run.get('end_date')})"]
     for ti in sorted(run["task_instances"], key=lambda ti: (ti.get("start_date") or "", ti["map_index"])):
-        label = ti["task_id"] + (f"[{ti.get('rendered_map_index') or ti['map_index']}]" if ti["map_index"] >= 0 else "")
-        lines.append(f"  {label:<48} {ti['state']:<16} {ti.get('duration') or 0:7.1f} s")
+        lines.append(f"  {_task_label(ti):<48} {ti['state']:<16} {ti.get('duration') or 0:7.1f} s")
     return "\n".join(lines)
 
 
@@ -332,8 +347,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             airflow = LocalAirflow.attach(args.home)
             run_id = airflow.trigger(args.dag_id, args.conf)
-            print(f"triggered {args.dag_id} run {run_id}; waiting", flush=True)
-            run = airflow.wait_for_run(args.dag_id, run_id, args.timeout)
+            print(f"triggered {args.dag_id} run {run_id}; task states as they change:", flush=True)
+            started = time.monotonic()
+
+            def show(ti: dict, old: str | None) -> None:
+                print(f"  {time.monotonic() - started:6.0f} s  {_task_label(ti):<48} {old or '-'} -> {ti['state']}",
+                      flush=True)
+
+            run = airflow.wait_for_run(args.dag_id, run_id, args.timeout, on_change=show)
             print(_describe_run(run))
             return 0 if run["state"] == "success" else 1
     except (AirflowServiceError, OSError, urllib.error.URLError) as exc:
