@@ -20,8 +20,8 @@ import torch
 from ..config import Config
 from ..core.documents import Section
 from ..core.engine import QUESTION_ONLY_SYSTEM, DocumentPart, Engine
-from ..core.prompt import Passage
 from ..core.model import ModelError, load_model
+from ..core.prompt import Passage
 from ..core.snapshot import Snapshot
 from .report import save_report
 
@@ -84,7 +84,7 @@ def _load_speed(snapshot: Snapshot, runs: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="cagflow-bench-") as root:
         store = LocalStore(root)
         entry, _ = store_snapshot(store, snapshot)
-        path = next(p for p in Path(root).rglob("*") if p.is_file() and p.name.endswith(".safetensors"))
+        path = store.root / entry.object_name
         size = path.stat().st_size
 
         def raw() -> float:
@@ -123,9 +123,12 @@ def measure(engine: Engine, corpus_dir: Path, runs: int) -> dict:
     engine.answer("Warm up?", max_new_tokens=2)
     question_only = _median_of(runs, lambda: _timed(engine, None))
     passages = retrieval_passages(engine, corpus_dir)
-    retrieval = _median_of(runs, lambda: {"ttft_s": engine.answer(QUESTIONS[0], context=passages,
-                                                                  max_new_tokens=1).ttft_s})
-    retrieval["prompt_tokens"] = engine.answer(QUESTIONS[0], context=passages, max_new_tokens=1).prompt_tokens
+
+    def retrieval_first_token() -> dict:
+        answer = engine.answer(QUESTIONS[0], context=passages, max_new_tokens=1)
+        return {"ttft_s": answer.ttft_s, "prompt_tokens": answer.prompt_tokens}
+
+    retrieval = _median_of(runs, retrieval_first_token)
     rows = []
     snapshots = {}
     for tokens in DOCUMENT_TOKENS:
@@ -203,7 +206,7 @@ def print_table(report: dict) -> None:
           f"answer = TTFT + {ANSWER_TOKENS - 1} decoded tokens. Question only: TTFT {q['ttft_s'] * 1000:.0f} ms, "
           f"decode {q['decode_tok_s']:.1f} tok/s")
     r = report["retrieval"]
-    print(f"Retrieval route ({r['prompt_tokens']} prompt tokens, nothing cached): TTFT {r['ttft_s'] * 1000:.0f} ms")
+    print(f"Retrieval route ({r['prompt_tokens']:.0f} prompt tokens, nothing cached): TTFT {r['ttft_s'] * 1000:.0f} ms")
     print(f"{'doc tokens':>10} {'TTFT full s':>11} {'TTFT hit ms':>11} {'hit/q-only':>10} {'decode tok/s':>12} "
           f"{'vs q-only':>9} {'answer s':>8} {'B/token':>8} {'load MB/s':>9} {'raw MB/s':>9}")
     for row in report["documents"]:

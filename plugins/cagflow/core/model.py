@@ -250,24 +250,23 @@ def _eos_ids(model_dir: Path, config, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def recipe_for(model_dir: Path, precision: str) -> str:
-    """The numeric recipe a model folder runs under ``precision``, without loading its weights (the int8
-    engine's kernels are compiled here when they are not built yet)."""
-    from transformers import AutoConfig
-
+def recipe_for(config, precision: str) -> str:
+    """The numeric recipe a model (its transformers config) runs under ``precision``, without loading its
+    weights (the int8 engine's kernels are compiled here when they are not built yet)."""
     from . import fastlm
 
     if precision not in ("int8", "fp32"):
         raise ModelError(f"model.precision must be int8 or fp32, not {precision!r}")
-    config = AutoConfig.from_pretrained(str(model_dir))
     return fastlm.recipe_for(config) if precision == "int8" and fastlm.supports(config) else "fp32"
 
 
 def prepare_model(spec: str, precision: str) -> tuple[Path, str, str]:
     """Everything a first load would do once (convert the model, build the kernels): (folder, recipe,
     fingerprint). Safe to run in several processes at once."""
+    from transformers import AutoConfig
+
     model_dir = resolve_model_dir(spec)
-    recipe = recipe_for(model_dir, precision)
+    recipe = recipe_for(AutoConfig.from_pretrained(str(model_dir)), precision)
     return model_dir, recipe, model_fingerprint(model_dir, recipe)
 
 
@@ -285,9 +284,9 @@ def load_model(spec: str, threads: int = 1, precision: str = "int8") -> LoadedMo
     model_dir = resolve_model_dir(spec)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        recipe = recipe_for(model_dir, precision)
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         config = AutoConfig.from_pretrained(str(model_dir))
+        recipe = recipe_for(config, precision)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         if recipe != "fp32":
             fast, model = FastLM.from_pretrained(model_dir), None
             if fast.recipe != recipe:

@@ -38,8 +38,7 @@ def _tensor_views(data: bytes | bytearray | memoryview) -> dict[str, torch.Tenso
             start, end = (int(x) for x in info["data_offsets"])
             shape = [int(x) for x in info["shape"]]
             count = math.prod(shape)
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            if not 0 <= start <= end <= len(data) - base or end - start != count * itemsize:
+            if not 0 <= start <= end <= len(data) - base or end - start != count * dtype.itemsize:
                 raise ValueError(f"tensor {name}: offsets {start}..{end} do not fit its shape or the file")
             flat = (torch.frombuffer(data, dtype=dtype, count=count, offset=base + start) if count
                     else torch.empty(0, dtype=dtype))

@@ -272,7 +272,8 @@ class LocalAirflow(ServerContext):
             finished = run["state"] in FINISHED_RUN_STATES
             if finished or on_change is not None:
                 run["task_instances"] = self.api("GET", f"{path}/taskInstances?limit=1000")["task_instances"]
-                for ti in run["task_instances"] if on_change is not None else ():
+            if on_change is not None:
+                for ti in run["task_instances"]:
                     key = (ti["task_id"], ti["map_index"])  # a mapped task's label appears once it runs
                     if states.get(key) != ti["state"]:  # not yet scheduled (no state) is not news
                         on_change(ti, states.get(key))
