@@ -30,7 +30,11 @@ _weight_int8pack_mm, for CPUs without avx512_bf16 or without a compiler: slower,
 not bitwise equal to ``native``). Each is deterministic and self-consistent; a snapshot must be used with
 the recipe that produced it.
 
-Entry points: ``FastLM.from_pretrained(folder)``, ``prefill_prefix(ids)``, ``steps(prefix, [ids, ...], n)``
+Weights: the first load of a model quantises its checkpoint and writes the prepared tensors to one file
+(``prepared_weights``); every process then maps that file read-only instead of holding its own copy, so
+the serving processes of a machine (Triton's models, a precompute worker) share one copy in the page cache.
+
+Entry points: ``FastLM.from_pretrained(folder)``, ``FastLM.load(folder, weights_file)``, ``prefill_prefix(ids)``, ``steps(prefix, [ids, ...], n)``
 (greedy tokens step by step, for streams and batches), ``answer(prefix, ids, n)``, ``answer_batch``,
 ``answer_full(ids, prefix_len, n)``, ``logits(prefix, ids)``. Threads: the caller sets
 ``torch.set_num_threads`` (``model.threads``; one thread by default, see the README's thread policy).
@@ -42,9 +46,11 @@ import hashlib
 import importlib
 import json
 import logging
+import mmap
 import os
 import time
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
@@ -202,6 +208,36 @@ def _rope_tables(hf, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
+def _folder_config(folder: Path) -> tuple[LMConfig, tuple[torch.Tensor, torch.Tensor]]:
+    """An HF folder's configuration (EOS ids from generation_config.json included) and RoPE tables."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(str(folder))
+    config = _config_from_hf(hf)
+    gen = folder / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        config = LMConfig(**{**config.__dict__, "eos_token_ids": tuple(sorted(set(config.eos_token_ids) | set(eos)))})
+    return config, _rope_tables(hf, config.max_positions)
+
+
+def prepared_weights(folder: Path, fingerprint: str) -> Path:
+    """The prepared-weights file of a model folder under the recipe its ``fingerprint`` names: written once
+    (under a lock, so concurrent first loads quantise once), kept in the cache's kernels folder. Files of
+    the same folder under other recipes or weights are removed (a process mapping one keeps its pages)."""
+    weights_dir = CACHE_HOME / "weights"
+    path = weights_dir / f"{folder.name}-{fingerprint[:16]}.fastlm"
+    with prepare_lock(path):
+        if not path.exists():
+            log.info("preparing int8 weights of %s in %s (once)", folder.name, path)
+            FastLM.from_pretrained(folder).save_weights(path)
+            for stale in weights_dir.glob(f"{folder.name}-*.fastlm"):
+                if stale != path:
+                    stale.unlink(missing_ok=True)
+    return path
+
+
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output row: (int8 [N, K], bf16 scales [N]); scale = absmax / 127 (rounded to bf16
     first, and the weights quantised against the rounded scale)."""
@@ -268,7 +304,9 @@ class FastLM:
     """An int8/bf16 forward pass of a Llama-family causal LM with shared-prefix (snapshot) attention."""
 
     def __init__(self, config: LMConfig, tensors: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-                 backend: str = "auto", prefill_block: int = 512, matmul: str = "auto"):
+                 backend: str = "auto", prefill_block: int = 512, matmul: str = "auto", prepared: bool = False):
+        """``tensors``: a checkpoint's (quantised here), or with ``prepared`` the tensors ``save_weights``
+        wrote (used as they are)."""
         self.config = config
         self.prefill_block = prefill_block
         shapes_ok = _shapes_fit_native(config)
@@ -290,7 +328,20 @@ class FastLM:
         self.matmul = matmul
         self._native_mm = matmul == "native"
         self.cos, self.sin = rope
-        c = config
+        self.scaling = config.head_dim ** -0.5
+        if prepared:
+            self._adopt(tensors)
+        else:
+            self._quantise(tensors)
+        self._flat = [t for layer in self.layers for t in layer.flat()]
+
+    def _adopt(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.embed, self.w_lm, self.s_lm, self.norm = (tensors[name] for name in ("embed", "w_lm", "s_lm", "norm"))
+        self.layers = [_Layer(**{f.name: tensors[f"layers.{i}.{f.name}"] for f in fields(_Layer)})
+                       for i in range(self.config.layers)]
+
+    def _quantise(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        c = self.config
 
         def get(name: str) -> torch.Tensor:
             # always a copy: a view would keep the whole checkpoint's file mapping alive (2.5 GB for Qwen2.5)
@@ -319,8 +370,68 @@ class FastLM:
             for layer in self.layers:
                 layer.w_qkv, layer.w_o = pack(layer.w_qkv), pack(layer.w_o)
                 layer.w_gu, layer.w_down = pack(layer.w_gu), pack(layer.w_down)
-        self._flat = [t for layer in self.layers for t in layer.flat()]
-        self.scaling = c.head_dim ** -0.5
+
+    # ---- prepared weights ----
+
+    def _named_weights(self) -> dict[str, torch.Tensor]:
+        named = {"embed": self.embed, "w_lm": self.w_lm, "s_lm": self.s_lm, "norm": self.norm}
+        for i, layer in enumerate(self.layers):
+            named.update({f"layers.{i}.{f.name}": getattr(layer, f.name) for f in fields(_Layer)})
+        return named
+
+    def save_weights(self, path: Path) -> None:
+        """Write the prepared tensors as one file: an 8-byte header length, a JSON header (format, recipe,
+        each tensor's dtype, shape and offset) and the tensors' bytes, page-aligned, so ``load`` maps them
+        without copying. Written to a temporary name and renamed: readers see a whole file or none."""
+        named = self._named_weights()
+        index, end = [], 0
+        for name, tensor in named.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            index.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."),
+                          "shape": list(tensor.shape), "offset": end, "nbytes": nbytes})
+            end = _round_up(end + nbytes, WEIGHT_ALIGN)
+        header = json.dumps({"format": WEIGHTS_FORMAT, "recipe": self.recipe, "tensors": index}).encode()
+        start = _round_up(8 + len(header), mmap.PAGESIZE)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as out:
+                out.write(len(header).to_bytes(8, "little") + header)
+                for entry, tensor in zip(index, named.values()):
+                    out.seek(start + entry["offset"])
+                    out.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                out.truncate(start + end)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike, weights_file: str | os.PathLike, **kwargs) -> "FastLM":
+        """The model of ``folder`` with the tensors of ``weights_file`` (from ``save_weights``) mapped
+        read-only: the pages are the page cache's, shared by every process that maps the file."""
+        config, rope = _folder_config(Path(folder))
+        with open(weights_file, "rb") as handle:
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        size = int.from_bytes(mapped[:8], "little")
+        header = json.loads(mapped[8:8 + size])
+        if header.get("format") != WEIGHTS_FORMAT:
+            raise ValueError(f"{weights_file}: not a {WEIGHTS_FORMAT} file")
+        start = _round_up(8 + size, mmap.PAGESIZE)
+        tensors = {}
+        with warnings.catch_warnings():  # read-only on purpose: weights are never written
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            for entry in header["tensors"]:
+                dtype = getattr(torch, entry["dtype"])
+                count = entry["nbytes"] // torch.empty(0, dtype=dtype).element_size()
+                tensors[entry["name"]] = (torch.frombuffer(mapped, dtype=dtype, count=count,
+                                                           offset=start + entry["offset"]).view(entry["shape"])
+                                          if count else torch.empty(entry["shape"], dtype=dtype))
+        model = cls(config, tensors, rope, prepared=True, **kwargs)
+        if model.recipe != header["recipe"]:
+            raise ValueError(f"{weights_file} holds weights for {header['recipe']}, this engine runs {model.recipe}")
+        model._mapped = mapped  # the tensors are views of this mapping: keep it open as long as the model
+        return model
 
     # ---- loading ----
 
@@ -328,21 +439,14 @@ class FastLM:
     def from_pretrained(cls, folder: str | os.PathLike, **kwargs) -> "FastLM":
         """Load an HF safetensors folder (config.json + *.safetensors), quantising on the fly."""
         from safetensors import safe_open
-        from transformers import AutoConfig
 
         folder = Path(folder)
-        hf = AutoConfig.from_pretrained(str(folder))
-        config = _config_from_hf(hf)
-        gen = folder / "generation_config.json"
-        if gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-            config = LMConfig(**{**config.__dict__, "eos_token_ids": tuple(sorted(set(config.eos_token_ids) | set(eos)))})
+        config, rope = _folder_config(folder)
         handles = [safe_open(str(path), framework="pt") for path in sorted(folder.glob("*.safetensors"))]
         tensors = _CheckpointTensors({name: handle for handle in handles for name in handle.keys()})
         if not tensors:
             raise FileNotFoundError(f"{folder}: no *.safetensors")
-        return cls(config, tensors, _rope_tables(hf, config.max_positions), **kwargs)
+        return cls(config, tensors, rope, **kwargs)
 
     @classmethod
     def from_hf_model(cls, model, **kwargs) -> "FastLM":
@@ -584,6 +688,10 @@ def _keep(sk, sv, lengths, feed, rows: list[int]):
     index = torch.tensor(rows, dtype=torch.long)
     return ([k.index_select(0, index) for k in sk], [v.index_select(0, index) for v in sv],
             lengths.index_select(0, index), feed.index_select(0, index))
+
+
+WEIGHTS_FORMAT = "cagflow-fastlm-weights-v1"
+WEIGHT_ALIGN = 64  # bytes: each tensor starts on a cache line
 
 
 def _round_up(n: int, m: int) -> int:

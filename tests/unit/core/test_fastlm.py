@@ -3,6 +3,8 @@ immutability, kernel determinism, and agreement with transformers' fp32 model; o
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from safetensors.torch import load as st_load
@@ -328,3 +330,35 @@ def test_a_kernel_build_killed_midway_does_not_hang_the_next_process(tmp_path):
                             capture_output=True, text=True, timeout=240)
     assert result.stdout.split()[:1] == ["True"], result.stderr[-2000:]
     assert not (build / "lock").exists()
+
+
+def test_prepared_weights_are_mapped_from_the_file_and_answer_bitwise_the_same(tiny, tmp_path):
+    lm, model = tiny
+    model.save_pretrained(tmp_path / "model")
+    options = {"backend": lm.backend, "prefill_block": lm.prefill_block}
+    quantised = fastlm.FastLM.from_pretrained(tmp_path / "model", **options)
+    quantised.save_weights(tmp_path / "w.fastlm")
+    mapped = fastlm.FastLM.load(tmp_path / "model", tmp_path / "w.fastlm", **options)
+    prefix, question = _ids(150, 21), _ids(12, 22)
+    expected = quantised.answer(quantised.prefill_prefix(prefix), question, 12, eos_token_ids=[])
+    assert _same(mapped.answer(mapped.prefill_prefix(prefix), question, 12, eos_token_ids=[]), expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the mapping is read-only
+        start = torch.frombuffer(mapped._mapped, dtype=torch.uint8).data_ptr()
+    end = start + len(mapped._mapped)
+    weights = [t for t in mapped._named_weights().values() if t.numel()]
+    assert all(start <= t.data_ptr() < end for t in weights)  # views of the file's pages, no private copies
+    with pytest.raises(ValueError, match="holds weights for"):
+        fastlm.FastLM.load(tmp_path / "model", tmp_path / "w.fastlm", backend=lm.backend, prefill_block=256)
+
+
+def test_prepared_weights_are_written_once_per_model_and_recipe(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(fastlm, "CACHE_HOME", tmp_path)
+    folder = tmp_path / "tiny-model"
+    tiny_model.save_pretrained(folder)
+    first = fastlm.prepared_weights(folder, "a" * 64)
+    written = first.stat().st_mtime_ns
+    assert fastlm.prepared_weights(folder, "a" * 64) == first and first.stat().st_mtime_ns == written
+    second = fastlm.prepared_weights(folder, "b" * 64)  # new weights or recipe: the old file goes
+    assert second != first and second.exists() and not first.exists()
+    assert sorted(p.name for p in second.parent.iterdir() if not p.name.startswith(".")) == [second.name]
