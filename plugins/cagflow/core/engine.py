@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 from ..config import ModelConfig
 from ..errors import CagflowError
+from . import grounding
 from .documents import ParsedDocument, Section
 from .keys import validate_doc_id, validate_version
 from .model import LoadedModel, load_model
@@ -71,6 +72,12 @@ class Answer:
     finish_reason: str  # "eos" | "length"
     token_ids: list[int] = field(default_factory=list)
     snapshot_key: str | None = None
+    answered: bool = True  # False: declined, or states figures its document or passages lack (core.grounding)
+    unsupported: tuple[str, ...] = ()
+
+    @property
+    def decline_reason(self) -> str | None:
+        return grounding.Grounding(self.answered, self.unsupported).reason
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -79,6 +86,20 @@ class Answer:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _source(snapshot: Snapshot | None, context: Sequence[Passage] | None) -> str | None:
+    """The text an answer must be grounded in: the snapshot's document or the passages."""
+    if snapshot is not None:
+        return snapshot.system_prompt
+    return passages_system(context) if context is not None else None
+
+
+def _grounded(text: str, source: str | None, question: str, **fields) -> Answer:
+    """The answer with its grounding verdict against the text it was answered from (none: a question alone)."""
+    verdict = grounding.check(text, source, question) if source is not None else \
+        grounding.Grounding(not grounding.is_declined(text))
+    return Answer(text, **fields, answered=verdict.answered, unsupported=verdict.unsupported)
 
 
 class Engine:
@@ -342,8 +363,9 @@ class Engine:
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
         if len(text) > len(emitted):
             yield text[len(emitted):]
-        yield Answer(text.strip(), route, len(ids), reused, ttft, time.perf_counter() - started, finish,
-                     generated, str(snapshot.key) if snapshot is not None else None)
+        yield _grounded(text.strip(), _source(snapshot, context), question, route=route, prompt_tokens=len(ids),
+                        reused_tokens=reused, ttft_s=ttft, total_s=time.perf_counter() - started, finish_reason=finish,
+                        token_ids=generated, snapshot_key=str(snapshot.key) if snapshot is not None else None)
 
     def answer(self, question: str, snapshot: Snapshot | None = None, context: Sequence[Passage] | None = None,
                max_new_tokens: int | None = None, reuse_cache: bool = True) -> Answer:
@@ -392,8 +414,10 @@ class Engine:
                     finish[row] = "eos"
                 else:
                     generated[row].append(token)
-        return [Answer(self.tokenizer.decode(tokens, skip_special_tokens=True).strip(), "cache", len(ids), reused,
-                       ttft[row], finished[row], finish[row], tokens, str(snapshot.key))
+        return [_grounded(self.tokenizer.decode(tokens, skip_special_tokens=True).strip(), snapshot.system_prompt,
+                          questions[row], route="cache", prompt_tokens=len(ids), reused_tokens=reused, ttft_s=ttft[row],
+                          total_s=finished[row], finish_reason=finish[row], token_ids=tokens,
+                          snapshot_key=str(snapshot.key))
                 for row, ((_, ids, reused), tokens) in enumerate(zip(plans, generated))]
 
 _WORD = re.compile(r"[a-z0-9]+")

@@ -13,12 +13,15 @@ from typing import Sequence
 
 from ..errors import CagflowError
 
-TEMPLATE_VERSION = "cagflow-prompt-v1"
+TEMPLATE_VERSION = "cagflow-prompt-v2"
 
-DOCUMENT_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the document below. "
-                        "Answer in one or two short sentences.")
+# What every route answers when the documents do not hold the answer (``cagflow.core.grounding``).
+DECLINED_ANSWER = "The documents do not contain the answer."
+_GROUNDING = ("Quote numbers, codes, names and durations exactly as written there. If the answer is not there, "
+              f"reply only: {DECLINED_ANSWER} Answer in one or two short sentences.")
+DOCUMENT_INSTRUCTION = f"You are a support assistant. Answer the user's question using only the document below. {_GROUNDING}"
 PASSAGES_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the numbered passages "
-                        "below. Answer in one or two short sentences. If they do not contain the answer, say so.")
+                        f"below. {_GROUNDING}")
 
 
 class PromptError(CagflowError, ValueError):

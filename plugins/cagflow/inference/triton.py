@@ -267,6 +267,8 @@ def answer_outputs(pb_utils, served: ServedAnswer) -> list:
         _text(pb_utils, "REQUEST_ID", served.request_id),
         pb_utils.Tensor("TOKEN_IDS", np.array([answer.token_ids], dtype=np.int32).reshape(1, -1)),
         _text(pb_utils, "ANSWER_SOURCE", served.source),
+        _number(pb_utils, "ANSWERED", answer.answered, np.bool_),
+        _text(pb_utils, "UNSUPPORTED", json.dumps(list(answer.unsupported))),
     ]
 
 

@@ -1,0 +1,87 @@
+"""Is an answer grounded in the text it was given? A small model asked something its document does not
+say often invents a plausible figure ("the share price is $1.218") or describes the neighbour of an
+identifier that does not exist (alarm E-408 when the manual lists E-407). Support answers live on such
+figures, so an answer is held unsupported when it states a number or identifier that appears nowhere in
+its source (the document or passages it was answered from). A plain quantity the question itself gives
+("a CVSS score of 7.5") may be repeated; an identifier from the question (E-408, 5.3.2) must still be in the
+source, or the answer describes something the documents do not know. It is a one-sided check: an invented
+answer without figures passes, and a supported figure is never doubted.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .prompt import DECLINED_ANSWER
+
+# A run of word characters and joiners holding at least one digit: 8443, E-407, 192.168.77.1/24, 5.1.3, 3,450.
+_FIGURE = re.compile(r"[\w./:,+-]*\d[\w./:,+-]*")
+_EDGE = ".,:/+-_"
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
+_QUANTITY = re.compile(r"\d+(?:\.\d+)?")
+_ORDINAL = re.compile(r"(\d+)(?:st|nd|rd|th)")
+_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+                 "twelve")
+_ORDINAL_WORDS = ("zeroth", "first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth",
+                  "tenth", "eleventh", "twelfth")
+_DECLINE = re.compile(r"\b(?:documents?|passages?|text|manual)\s+(?:do|does)\s+not\s+"
+                      r"(?:contain|include|mention|say|specify|state|provide|have|list|give)\b"
+                      r"|\bnot\s+(?:found|mentioned|stated|specified|provided|given|listed|included)\s+in\s+the\s+"
+                      r"(?:documents?|passages?|text|manual)\b",
+                      re.IGNORECASE)
+
+
+def _normalise(text: str) -> str:
+    return _THOUSANDS.sub("", text.lower())
+
+
+def figures(text: str) -> list[str]:
+    """Numbers and identifiers in ``text``, lower-cased, without thousands separators or edge punctuation."""
+    found = (match.strip(_EDGE) for match in _FIGURE.findall(_normalise(text)))
+    return [figure for figure in found if any(char.isdigit() for char in figure)]
+
+
+def is_declined(answer: str) -> bool:
+    """Whether the answer says the documents do not hold the answer (in the prompt's words or close to them)."""
+    return bool(_DECLINE.search(answer))
+
+
+@dataclass(frozen=True)
+class Grounding:
+    answered: bool
+    unsupported: tuple[str, ...] = ()  # figures of the answer that its source does not contain
+
+    @property
+    def reason(self) -> str | None:
+        """Why the answer counts as declined: the model said so, or it stated figures its source lacks."""
+        if self.answered:
+            return None
+        return "unsupported_figures" if self.unsupported else "model_declined"
+
+
+def _in_source(figure: str, text: str) -> bool:
+    """A figure is in the source as a whole token, or (0–12, and their ordinals) spelt out as a word."""
+    if re.search(rf"(?<![\w]){re.escape(figure)}(?![\w])", text):
+        return True
+    ordinal = _ORDINAL.fullmatch(figure)
+    number = int(ordinal.group(1)) if ordinal else int(figure) if figure.isdigit() else None
+    if number is None or number >= len(_NUMBER_WORDS):
+        return False
+    word = (_ORDINAL_WORDS if ordinal else _NUMBER_WORDS)[number]
+    return bool(re.search(rf"\b{word}\b", text))
+
+
+def check(answer: str, source: str, question: str = "") -> Grounding:
+    """Whether ``answer`` answers from ``source``: not a decline, and every figure it states is in the source
+    as a whole token (``8443`` does not match inside ``18443``) or is a plain quantity given by ``question``."""
+    if is_declined(answer) or not answer.strip():
+        return Grounding(False)
+    text = _normalise(source)
+    given = {figure for figure in figures(question) if _QUANTITY.fullmatch(figure)}
+    missing = tuple(dict.fromkeys(figure for figure in figures(answer)
+                                  if figure not in given and not _in_source(figure, text)))
+    return Grounding(not missing, missing)
+
+
+__all__ = ["DECLINED_ANSWER", "Grounding", "check", "figures", "is_declined"]

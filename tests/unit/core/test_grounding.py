@@ -1,0 +1,77 @@
+"""The grounding check on answers the real models gave on the sample corpus (invented figures, echoed
+identifiers that do not exist, declines in the model's own words) and on answers that are right."""
+
+import pytest
+from cagflow.core.grounding import DECLINED_ANSWER, check, figures, is_declined
+from cagflow.core.prompt import document_system
+from cagflow.core.qa import QAItem, halves
+
+SOURCE = document_system("Skerry Gateway Administrator Manual", (
+    "The web console listens on port 8443. MQTT over TLS uses port 8883. The MGMT port has the static address "
+    "192.168.77.1/24. Alarm E-407 means the disk is almost full. Skerry 5.1.3 fixed CVE-2024-31877. One licence "
+    "pack holds 3,450 sensors. Backups run on the first Sunday of each month and are kept for twelve months. "
+    "Vulnerabilities rated High must be fixed within 30 days."))
+
+
+@pytest.mark.parametrize("answer", [
+    "The web console listens on port 8443.",
+    "Use 192.168.77.1/24 on the MGMT port.",
+    "Alarm E-407 means the disk is almost full.",
+    "CVE-2024-31877 was fixed in Skerry 5.1.3.",
+    "A pack holds 3450 sensors.",  # thousands separator dropped
+    "Backups run on the 1st Sunday and are kept for 12 months.",  # spelt-out numbers
+    "Skerry 5.1 fixed it.",  # a shorter version string is still the document's
+    "A CVSS score of 7.5 is High: fix it within 30 days.",  # 7.5 is the question's own quantity
+])
+def test_answers_whose_figures_are_in_the_source_are_answered(answer):
+    verdict = check(answer, SOURCE, "How soon must a vulnerability with a CVSS score of 7.5 be fixed?")
+    assert verdict.answered and verdict.unsupported == () and verdict.reason is None
+
+
+@pytest.mark.parametrize(("answer", "question", "unsupported"), [
+    ("Harrowgate's current share price is $1.218.", "What is the share price?", ("1.218",)),
+    ("The Wi-Fi password is \"password123\".", "What is the Wi-Fi password?", ("password123",)),
+    ("Error code E-408 means a split cluster.", "What does error code E-408 mean?", ("e-408",)),
+    ("Skerry 5.3.2 was released on 1 October 2021.", "When was Skerry 5.3.2 released?", ("5.3.2", "2021")),
+    ("Port 18443 is the web console.", "Which port?", ("18443",)),  # not a match inside a longer number
+])
+def test_invented_figures_and_unknown_identifiers_are_unsupported(answer, question, unsupported):
+    verdict = check(answer, SOURCE, question)
+    assert not verdict.answered and verdict.unsupported == unsupported and verdict.reason == "unsupported_figures"
+
+
+@pytest.mark.parametrize("answer", [DECLINED_ANSWER, "The document does not contain the answer.",
+                                    "The passages do not mention a Wi-Fi password.",
+                                    "This is not stated in the documents.",
+                                    "The Wi-Fi password in the office is not provided in the document.", ""])
+def test_declines_in_the_models_words_are_recognised(answer):
+    verdict = check(answer, SOURCE)
+    assert not verdict.answered and verdict.unsupported == ()
+    assert verdict.reason == "model_declined"
+
+
+def test_figures_are_lower_cased_without_edge_punctuation_or_thousands_separators():
+    assert figures("See E-407, port 8443. Pack of 3,450 (v5.1.3).") == ["e-407", "8443", "3450", "v5.1.3"]
+    assert not is_declined("The documents contain the answer: port 8443.")
+
+
+def _item(number: int, in_scope: bool, doc_id: str | None) -> QAItem:
+    return QAItem(f"q{number:03d}", "question", "answer", ("8443",), in_scope, doc_id)
+
+
+def test_the_calibration_and_held_out_halves_split_every_group():
+    items = [_item(n, True, "manual") for n in range(6)] + [_item(n, False, "notes") for n in range(6, 10)] + \
+            [_item(n, False, None) for n in range(10, 13)]
+    calibration, held_out = halves(items)
+    assert {item.id for item in calibration}.isdisjoint(item.id for item in held_out)
+    assert len(calibration) + len(held_out) == len(items)
+    for part in (calibration, held_out):
+        assert {(item.in_scope, item.answerable) for item in part} == {(True, True), (False, True), (False, False)}
+
+
+def test_an_answer_is_correct_when_answered_with_its_keywords_or_declined_when_nothing_answers():
+    answerable, unanswerable = _item(1, True, "manual"), _item(2, False, None)
+    assert answerable.is_correct("Port 8443.") and not answerable.is_correct("Port 8443.", answered=False)
+    assert not answerable.is_correct(DECLINED_ANSWER) and not answerable.is_correct("Port 443.")
+    assert unanswerable.is_correct(DECLINED_ANSWER) and unanswerable.is_correct("Port 9.", answered=False)
+    assert not unanswerable.is_correct("Port 9.")
