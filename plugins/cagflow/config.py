@@ -42,7 +42,10 @@ class ServiceConfig(_Section):
     triton_metrics_url: str | None = "http://127.0.0.1:8002/metrics"  # resident snapshots for /readyz; None: skip
     triton_timeout_s: float = Field(120.0, gt=0)
     retries: int = Field(1, ge=0, le=5)  # extra attempts on connection errors to Triton and OpenSearch
-    in_scope_threshold: float = Field(0.355, ge=-1.0, le=1.0)  # see cagflow.search.scope; `cagflow bench routing`
+    in_scope_threshold: float = Field(0.332, ge=-1.0, le=1.0)  # see cagflow.search.scope; `cagflow bench routing`
+    # Below this cosine similarity to every chunk, retrieval declines without asking the model
+    # (cagflow.search.scope; `cagflow bench routing` calibrates it on half of the sample questions).
+    answerable_threshold: float = Field(0.282, ge=-1.0, le=1.0)
     api_keys_file: str = str(CACHE_HOME / "api-keys.json")  # hashed keys only, never the keys themselves
     rate_limit_per_s: float = Field(5.0, gt=0)  # per API key, token bucket refill
     rate_limit_burst: int = Field(20, ge=1)

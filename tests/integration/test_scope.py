@@ -7,7 +7,8 @@ import pytest
 from cagflow.core.qa import QAItem
 from cagflow.search.embeddings import get_embedder
 from cagflow.search.retrieval import Chunk, ChunkIndex
-from cagflow.search.scope import NO_MATCH_SCORE, ScopeDetector, ScopeMatch, calibrate, evaluate
+from cagflow.search.scope import (NO_MATCH_SCORE, ScopeDetector, ScopeMatch, calibrate, calibrate_answerability,
+                                  evaluate, evaluate_answerability)
 
 CHUNKS = [
     Chunk("leave-1", "hr-handbook", "Full-time employees receive 25 days of paid annual leave per calendar year.",
@@ -86,6 +87,27 @@ def test_an_unrelated_question_is_out_of_scope(detector, embedder):
 
 
 @pytest.mark.integration
+def test_the_best_score_covers_chunks_of_every_tier(detector, embedder):
+    menu = detector.match(embedder.encode_one("What does the canteen serve on Friday?"))
+    assert menu.best_score == menu.other_score > menu.score  # the canteen menu is variable
+    football = detector.match(embedder.encode_one("Who won the football world cup in 2018?"))
+    assert football.best_score < menu.best_score and detector.total_chunks == len(CHUNKS)
+
+
+@pytest.mark.integration
+def test_a_cached_answer_cites_the_closest_chunk_of_its_document(detector, embedder):
+    question = "How often must passwords be rotated?"
+    citation = detector.cite("it-guide", embedder.encode_one(f"{question}\nEvery 90 days."))
+    assert (citation.doc_id, citation.chunk_id, citation.title, citation.section) == \
+        ("it-guide", "vpn-2", "IT guide", "Accounts")
+    assert citation.to_dict()["score"] == round(citation.score, 4) and 0 < citation.score <= 1
+    # only that document's chunks are candidates, however close another document's chunk is
+    leave = detector.cite("it-guide", embedder.encode_one("How many days of paid annual leave? 25 days."))
+    assert leave.doc_id == "it-guide"
+    assert detector.cite("no-such-doc", embedder.encode_one(question)) is None
+
+
+@pytest.mark.integration
 def test_only_documents_of_the_release_are_cacheable(index, embedder):
     detector = ScopeDetector(index, THRESHOLD)
     assert detector.refresh(doc_ids=["it-guide"]) == 2
@@ -139,3 +161,18 @@ def test_calibration_falls_back_to_the_best_f1():
     calibration = calibrate(records, matches)
     assert calibration.rule.startswith("best F1") and calibration.threshold == 0.599
     assert calibration.chosen.recall == 1.0 and calibration.chosen.precision == 0.5
+
+
+def test_answerability_takes_the_highest_threshold_that_keeps_the_answerable_questions():
+    records = [labelled(True, "a"), labelled(False, "news"), labelled(True, "b"), labelled(False, None),
+               labelled(False, None), labelled(True, "a")]
+    matches = [ScopeMatch("a", 0.7, False), ScopeMatch("a", 0.2, False, other_score=0.6),
+               ScopeMatch("b", 0.5, False), ScopeMatch("a", 0.4, False), ScopeMatch("a", 0.1, False),
+               ScopeMatch("a", 0.45, False)]
+    chosen, sweep = calibrate_answerability(records, matches)
+    assert chosen.threshold == 0.425  # between the lowest answerable (0.45) and the highest unanswerable (0.4)
+    assert (chosen.answerable_kept, chosen.unanswerable_declined) == (1.0, 1.0)
+    assert evaluate_answerability(records, matches, 0.55) == type(chosen)(0.55, 0.5, 1.0)
+    assert [row.threshold for row in sweep] == sorted((row.threshold for row in sweep), reverse=True)
+    looser, _ = calibrate_answerability(records, matches, min_kept=0.75)
+    assert looser.threshold == 0.475 and looser.answerable_kept == 0.75

@@ -37,7 +37,7 @@ def _first_relevant_rank(hits, item: QAItem, answer_bearing: bool) -> int | None
     """1-based rank of the first hit from the answering document (that also holds every keyword, when
     ``answer_bearing``), or None."""
     for rank, hit in enumerate(hits, start=1):
-        if hit.doc_id == item.doc_id and (not answer_bearing or item.is_correct(hit.text)):
+        if hit.doc_id == item.doc_id and (not answer_bearing or item.has_keywords(hit.text)):
             return rank
     return None
 
@@ -85,10 +85,12 @@ def print_retrieval_table(report: dict) -> None:
 
 
 def routing_calibration(config: Config, qa_path: Path) -> dict:
-    """In-scope detection on every sample question: metrics per threshold and the calibrated threshold."""
+    """In-scope detection and answerability on every sample question: both thresholds calibrated on one half
+    of the questions (``cagflow.core.qa.halves``) and measured on the other."""
     from dataclasses import asdict
 
-    from ..search.scope import ScopeDetector, calibrate, evaluate
+    from ..core.qa import halves
+    from ..search.scope import ScopeDetector, calibrate, calibrate_answerability, evaluate, evaluate_answerability
 
     items = load_qa(qa_path)
     index, n_chunks = _index_corpus(config, f"{config.retrieval.index}-bench")
@@ -103,24 +105,48 @@ def routing_calibration(config: Config, qa_path: Path) -> dict:
             latencies.append(time.perf_counter() - started)
     finally:
         index.close()
-    calibration = calibrate(items, matches)
+    match_of = {item.id: match for item, match in zip(items, matches)}
+    calibration_half, held_out = halves(items)
+    # In-scope routing is judged on the questions some document answers: an unanswerable question is
+    # declined on either route, and the cache route declines it sooner.
+    routed_calibration = [item for item in calibration_half if item.answerable]
+    routed_held_out = [item for item in held_out if item.answerable]
+
+    def matched(part):
+        return [match_of[item.id] for item in part]
+
+    calibration = calibrate(routed_calibration, matched(routed_calibration))
+    answerable, answerable_sweep = calibrate_answerability(calibration_half, matched(calibration_half))
     thresholds = sorted({*ROUTING_THRESHOLDS, config.service.in_scope_threshold, calibration.threshold})
     misrouted = [{"id": item.id, "in_scope": item.in_scope, "doc_id": item.doc_id, "matched_doc_id": match.doc_id,
                   "score": round(match.score, 4), "other_score": round(match.other_score, 4)}
                  for item, match in zip(items, matches)
-                 if match.routes_to_cache(calibration.threshold) != item.in_scope]
+                 if item.answerable and match.routes_to_cache(calibration.threshold) != item.in_scope]
     return {"questions": len(items), "in_scope_questions": sum(item.in_scope for item in items),
+            "calibration_questions": len(calibration_half), "held_out_questions": len(held_out),
             "chunks": n_chunks, "cacheable_chunks": cacheable,
             "configured_threshold": config.service.in_scope_threshold,
+            "configured_answerable_threshold": config.service.answerable_threshold,
             "match_p50_us": statistics.median(latencies) * 1e6,
-            "thresholds": [asdict(evaluate(items, matches, threshold)) for threshold in thresholds],
-            "calibration": calibration.to_dict(), "misrouted_at_calibrated": misrouted}
+            "thresholds": [asdict(evaluate(routed_held_out, matched(routed_held_out), threshold))
+                           for threshold in thresholds],
+            "calibration": calibration.to_dict(),
+            "held_out_at_calibrated": asdict(evaluate(routed_held_out, matched(routed_held_out),
+                                                      calibration.threshold)),
+            "answerable_calibration": asdict(answerable),
+            "answerable_sweep": [asdict(row) for row in answerable_sweep],
+            "answerable_held_out": asdict(evaluate_answerability(held_out, matched(held_out), answerable.threshold)),
+            "answerable_held_out_at_configured": asdict(evaluate_answerability(
+                held_out, matched(held_out), config.service.answerable_threshold)),
+            "misrouted_at_calibrated": misrouted}
 
 
 def print_routing_table(report: dict) -> None:
     calibration = report["calibration"]
     print(f"{report['questions']} questions ({report['in_scope_questions']} in scope), {report['chunks']} chunks "
           f"({report['cacheable_chunks']} cacheable), match p50 {report['match_p50_us']:.0f} µs")
+    print(f"thresholds calibrated on {report['calibration_questions']} questions; the table is measured on the "
+          f"other {report['held_out_questions']} (held out; routing on those a document answers)")
     print(f"{'threshold':<12}{'precision':>10}{'recall':>8}{'F1':>8}{'doc acc':>9}{'to cache':>10}")
     for row in report["thresholds"]:
         marks = "".join(mark for value, mark in ((calibration["threshold"], "  ← calibrated"),
@@ -128,5 +154,14 @@ def print_routing_table(report: dict) -> None:
                         if row["threshold"] == value)
         print(f"{row['threshold']:<12.3f}{row['precision']:>10.3f}{row['recall']:>8.3f}{row['f1']:>8.3f}"
               f"{row['doc_accuracy']:>9.3f}{row['routed_to_cache']:>10}{marks}")
-    print(f"calibrated threshold {calibration['threshold']:.3f} ({calibration['rule']}); "
-          f"{len(report['misrouted_at_calibrated'])} questions misrouted there")
+    print(f"calibrated in-scope threshold {calibration['threshold']:.3f} ({calibration['rule']}); on the "
+          f"calibration half precision {calibration['chosen']['precision']:.3f} recall "
+          f"{calibration['chosen']['recall']:.3f}; {len(report['misrouted_at_calibrated'])} answerable questions "
+          "misrouted there")
+    chosen, held = report["answerable_calibration"], report["answerable_held_out"]
+    configured = report["answerable_held_out_at_configured"]
+    print(f"answerability: calibrated threshold {chosen['threshold']:.3f} (the highest keeping >= 98% of answerable "
+          f"questions): calibration half keeps {chosen['answerable_kept']:.0%} of answerable, declines "
+          f"{chosen['unanswerable_declined']:.0%} of unanswerable; held-out half keeps {held['answerable_kept']:.0%}, "
+          f"declines {held['unanswerable_declined']:.0%}; configured {configured['threshold']:.3f} on the held-out "
+          f"half keeps {configured['answerable_kept']:.0%}, declines {configured['unanswerable_declined']:.0%}")

@@ -140,15 +140,15 @@ class ApiClient:
 
     @staticmethod
     def _query_body(question: str, doc_id: str | None, top_k: int | None, max_new_tokens: int | None,
-                    stream: bool) -> dict[str, Any]:
+                    stream: bool, route: str = "auto") -> dict[str, Any]:
         return {"question": question, "doc_id": doc_id, "top_k": top_k, "max_new_tokens": max_new_tokens,
-                "stream": stream}
+                "stream": stream, "route": route}
 
     def query(self, question: str, doc_id: str | None = None, top_k: int | None = None,
-              max_new_tokens: int | None = None) -> dict:
-        """The answer record of ``POST /v1/query``."""
+              max_new_tokens: int | None = None, route: str = "auto") -> dict:
+        """The answer record of ``POST /v1/query``; ``route="retrieval"`` skips the cache route."""
         response = self._request("POST", "/v1/query",
-                                 json=self._query_body(question, doc_id, top_k, max_new_tokens, stream=False))
+                                 json=self._query_body(question, doc_id, top_k, max_new_tokens, False, route))
         if not response.ok:
             raise _error_from(response)
         return self._json(response)

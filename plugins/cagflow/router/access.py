@@ -18,7 +18,10 @@ from ..core.keys import validate_doc_id
 from ..errors import CagflowError
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-QUERY_FIELDS = frozenset({"question", "doc_id", "top_k", "max_new_tokens", "stream"})
+QUERY_FIELDS = frozenset({"question", "doc_id", "top_k", "max_new_tokens", "stream", "route"})
+# "auto": the router chooses; "retrieval": hybrid retrieval even where a snapshot could answer (to compare
+# the routes, or to get passages as citations).
+ROUTES = ("auto", "retrieval")
 MAX_TOP_K = 50
 MAX_NEW_TOKENS = 4096
 
@@ -97,6 +100,7 @@ class Query:
     top_k: int | None = None
     max_new_tokens: int | None = None
     stream: bool = False
+    route: str = "auto"
 
 
 def _invalid(message: str) -> ApiError:
@@ -149,8 +153,11 @@ def parse_query(body: Any, limits: ServiceConfig) -> Query:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _invalid(f"stream must be true or false, got {type(stream).__name__}")
+    route = body.get("route", "auto")
+    if route not in ROUTES:
+        raise _invalid(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
     return Query(question=question, doc_id=doc_id, top_k=_optional_int(body, "top_k", MAX_TOP_K),
-                 max_new_tokens=_optional_int(body, "max_new_tokens", MAX_NEW_TOKENS), stream=stream)
+                 max_new_tokens=_optional_int(body, "max_new_tokens", MAX_NEW_TOKENS), stream=stream, route=route)
 
 
 def parse_reload(body: Any) -> str | None:

@@ -139,6 +139,7 @@ def create_app(config: Config | None = None, *, router: Router | None = None,
         line = {"ts": round(time.time(), 3), "request_id": g.request_id, "key_id": g.get("key_id"),
                 "method": request.method, "endpoint": endpoint, "status": status,
                 "route": outcome.get("route"), "cache_hit": outcome.get("cache_hit"),
+                "answered": outcome.get("answered"), "decline_reason": outcome.get("decline_reason"),
                 "snapshot_key": snapshot.get("key"), "fallback_reason": outcome.get("fallback_reason"),
                 "error_code": error_code, "latency_ms": round(elapsed_s * 1000, 2),
                 "timings_ms": outcome.get("timings_ms")}

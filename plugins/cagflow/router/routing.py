@@ -8,8 +8,17 @@
    closer, takes the cache route with the matching document's snapshot; anything else goes to hybrid
    retrieval (the same vector feeds the k-NN half of the search).
 
+``"route": "retrieval"`` in the query skips steps 1 and 3 (to compare routes, or to get passages).
+
 When the cache route fails (snapshot not in Triton's release, unreadable or corrupt, Triton error) and
 ``retrieval.fallback_enabled``, the question is answered by retrieval and ``fallback_reason`` says why.
+
+Declining: a question searched over the whole index whose closest chunk (of any document) is less similar
+than ``service.answerable_threshold`` is declined without the model, with the closest passages as
+``suggestions``. Triton's ``ANSWERED`` says whether the model declined or stated figures its source lacks
+(``cagflow.core.grounding``); a declined answer is replaced by the prompt's decline sentence, and the
+model's words are kept as ``model_answer``. A cache answer cites the chunk of its document closest to the
+question and answer together.
 The active release is re-read from the store every ``service.release_poll_s`` and on ``reload``.
 """
 
@@ -27,6 +36,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..config import Config
+from ..core.prompt import DECLINED_ANSWER
 from ..search.embeddings import Embedder, get_embedder
 from ..search.retrieval import ChunkIndex, RetrievalError, RetrievalUnavailable, SearchHit
 from ..search.scope import ScopeDetector
@@ -46,9 +56,10 @@ class Plan:
     """Where one question goes, and why; ``vector`` is computed at most once per request."""
 
     route: str  # "cache" | "retrieval"
-    reason: str  # "doc_id" | "in_scope" | "out_of_scope" | "doc_not_in_release"
+    reason: str  # "doc_id" | "in_scope" | "out_of_scope" | "doc_not_in_release" | "requested"
     doc_id: str | None  # the snapshot's document (cache) or the only document searched (retrieval)
     scope_score: float | None = None
+    best_score: float | None = None  # cosine similarity to the closest chunk of any document
     vector: np.ndarray | None = None
     timings_ms: dict[str, float] = field(default_factory=dict)
 
@@ -289,13 +300,16 @@ class Router:
         started = time.perf_counter()
         release = self._release
         in_release = set(release.doc_ids) if release else set()
-        if query.doc_id is not None:
+        if query.route == "retrieval":
+            plan = Plan("retrieval", "requested", query.doc_id)
+        elif query.doc_id is not None:
             plan = Plan("cache", "doc_id", query.doc_id) if query.doc_id in in_release else \
                 Plan("retrieval", "doc_not_in_release", query.doc_id)
         else:
             plan = Plan("retrieval", "out_of_scope", None)
             match = self.scope.match(self._embed(plan, query.question))
             plan.scope_score = round(float(match.score), 4)
+            plan.best_score = round(match.best_score, 4)
             if match.in_scope and match.doc_id in in_release:
                 plan.route, plan.reason, plan.doc_id = "cache", "in_scope", match.doc_id
         plan.timings_ms["route"] = _milliseconds(started)
@@ -319,6 +333,29 @@ class Router:
                            f"document {plan.doc_id!r} is neither in the active release nor in the retrieval index")
         return hits
 
+    def _unanswerable(self, plan: Plan, query: Query) -> bool:
+        """A whole-index search whose question is far from every chunk: nothing can answer it. Not judged
+        while the detector holds no chunks (OpenSearch unreachable at the last refresh)."""
+        if plan.doc_id is not None or not self.scope.total_chunks:
+            return False
+        if plan.best_score is None:
+            plan.best_score = round(self.scope.match(self._embed(plan, query.question)).best_score, 4)
+        return plan.best_score < self.config.service.answerable_threshold
+
+    def _declined(self, query: Query, request_id: str, plan: Plan, hits: list[SearchHit], fallback: str | None,
+                  started: float) -> dict[str, Any]:
+        plan.timings_ms["triton"] = 0.0
+        return self._body(query, request_id, plan, {"ANSWER": DECLINED_ANSWER, "ANSWERED": False}, hits, fallback,
+                          started, decline_reason="no_relevant_passage")
+
+    def _cite(self, plan: Plan, query: Query, answer: str) -> list[dict[str, Any]]:
+        """The chunk of the cached document closest to question and answer together."""
+        started = time.perf_counter()
+        citation = self.scope.cite(plan.doc_id, self.embedder.encode_one(f"{query.question}\n{answer}"))
+        plan.timings_ms["cite"] = _milliseconds(started)
+        metrics.BACKEND_SECONDS.labels("embedding").observe(plan.timings_ms["cite"] / 1000)
+        return [citation.to_dict()] if citation is not None else []
+
     def _snapshot_info(self, key: str) -> dict[str, Any] | None:
         release = self._release
         entry = next((entry for entry in release.snapshots if entry.key == key), None) if release and key else None
@@ -336,7 +373,17 @@ class Router:
         return inputs
 
     def _body(self, query: Query, request_id: str, plan: Plan, outputs: dict[str, Any], hits: list[SearchHit] | None,
-              fallback: str | None, started: float) -> dict[str, Any]:
+              fallback: str | None, started: float, decline_reason: str | None = None) -> dict[str, Any]:
+        model_answer = outputs.get("ANSWER", "")
+        unsupported = json.loads(outputs.get("UNSUPPORTED") or "[]")
+        answered = bool(outputs.get("ANSWERED", True))
+        if not answered:
+            decline_reason = decline_reason or ("unsupported_figures" if unsupported else "model_declined")
+            citations = []
+        elif hits is None:
+            citations = self._cite(plan, query, model_answer) if plan.doc_id else []
+        else:
+            citations = _citations(hits)
         total_ms = _milliseconds(started)
         generate_ms = round(float(outputs.get("GEN_MS", 0.0)), 2)
         ttft_ms = round(float(outputs.get("TTFT_MS", 0.0)), 2)
@@ -350,6 +397,7 @@ class Router:
         route = "cache" if hits is None else "retrieval"
         timings = {"route": plan.timings_ms.get("route", 0.0), "embed": plan.timings_ms.get("embed", 0.0),
                    "search": plan.timings_ms.get("search", 0.0), "triton": triton_ms,
+                   "cite": plan.timings_ms.get("cite", 0.0),
                    "ttft": ttft_ms, "generate": generate_ms,
                    "overhead": round(total_ms - compute_ms, 2), "total": total_ms}
         cache_hit = bool(outputs.get("CACHE_HIT", False))
@@ -360,12 +408,17 @@ class Router:
             metrics.CACHE_HITS.inc()
         if outputs.get("ANSWER_SOURCE"):
             metrics.ANSWER_SOURCES.labels(outputs["ANSWER_SOURCE"]).inc()
+        if decline_reason:
+            metrics.DECLINED.labels(decline_reason).inc()
         return {
-            "answer": outputs.get("ANSWER", ""), "route": route, "route_reason": plan.reason, "cache_hit": cache_hit,
+            "answer": model_answer if answered else DECLINED_ANSWER, "answered": answered,
+            "decline_reason": decline_reason, "route": route, "route_reason": plan.reason, "cache_hit": cache_hit,
             "fallback_reason": fallback, "snapshot": self._snapshot_info(outputs.get("SNAPSHOT_KEY", "")),
-            "citations": _citations(hits or []), "scope_score": plan.scope_score,
+            "citations": citations, "suggestions": [] if answered else _citations(hits or []),
+            "unsupported_figures": unsupported, "scope_score": plan.scope_score, "best_score": plan.best_score,
             "answer_source": outputs.get("ANSWER_SOURCE"), "release_id": outputs.get("RELEASE_ID") or None,
             "finish_reason": outputs.get("FINISH_REASON"), "timings_ms": timings, "request_id": request_id,
+            **({} if answered or model_answer == DECLINED_ANSWER else {"model_answer": model_answer}),
         }
 
     def _cache_failed(self, plan: Plan, error: TritonUnavailable | TritonRejected) -> str:
@@ -398,6 +451,8 @@ class Router:
             except (TritonUnavailable, TritonRejected) as exc:
                 fallback = self._cache_failed(plan, exc)
         hits = self._search(plan, query)
+        if self._unanswerable(plan, query):
+            return self._declined(query, request_id, plan, hits, fallback, started)
         rpc_started = time.perf_counter()
         try:
             outputs = self.triton.infer(**self._triton_inputs(query, request_id, plan, hits))
@@ -442,6 +497,10 @@ class Router:
                 fallback = self._cache_failed(plan, exc)
         if pieces is None:
             hits = self._search(plan, query)
+            if self._unanswerable(plan, query):
+                yield "token", {"text": DECLINED_ANSWER}
+                yield "answer", self._declined(query, request_id, plan, hits, fallback, started)
+                return
             try:
                 pieces = self._open_stream(self._triton_inputs(query, request_id, plan, hits), plan)
             except (TritonUnavailable, TritonRejected) as exc:

@@ -26,6 +26,8 @@ import numpy as np
 
 from .embeddings import EMBEDDING_DIMENSION
 
+from .retrieval import Chunk
+
 if TYPE_CHECKING:
     from ..core.qa import QAItem
     from .retrieval import ChunkIndex
@@ -40,6 +42,11 @@ class ScopeMatch:
     score: float  # cosine similarity to that chunk
     in_scope: bool
     other_score: float = NO_MATCH_SCORE  # cosine similarity to the closest chunk that is not cacheable
+
+    @property
+    def best_score(self) -> float:
+        """Cosine similarity to the closest chunk of any document: how answerable the question looks."""
+        return max(self.score, self.other_score)
 
     def routes_to_cache(self, threshold: float) -> bool:
         return self.doc_id is not None and self.score >= threshold and self.score >= self.other_score
@@ -64,9 +71,23 @@ def _best(matrix: np.ndarray, vector: np.ndarray) -> tuple[int, float]:
 
 
 @dataclass(frozen=True)
+class Citation:
+    """The chunk of a cached document an answer came from."""
+
+    doc_id: str
+    chunk_id: str
+    title: str
+    section: str
+    score: float
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "score": round(self.score, 4)}
+
+
+@dataclass(frozen=True)
 class _Vectors:
     cacheable: np.ndarray
-    cacheable_doc_ids: list[str]
+    cacheable_chunks: list[Chunk]  # without their embeddings, row for row with ``cacheable``
     others: np.ndarray
 
 
@@ -85,11 +106,16 @@ class ScopeDetector:
     @property
     def size(self) -> int:
         """Cacheable (fixed-tier) chunks held."""
-        return len(self._vectors.cacheable_doc_ids)
+        return len(self._vectors.cacheable_chunks)
+
+    @property
+    def total_chunks(self) -> int:
+        """Chunks of every document held (cacheable or not)."""
+        return len(self._vectors.cacheable_chunks) + len(self._vectors.others)
 
     @property
     def doc_ids(self) -> frozenset[str]:
-        return frozenset(self._vectors.cacheable_doc_ids)
+        return frozenset(chunk.doc_id for chunk in self._vectors.cacheable_chunks)
 
     def refresh(self, doc_ids: Iterable[str] | None = None) -> int:
         """Reload every chunk vector from OpenSearch. With ``doc_ids`` (the active release's documents)
@@ -97,24 +123,35 @@ class ScopeDetector:
         Returns the number of cacheable chunks; matching uses the previous set until the new one is whole."""
         release = None if doc_ids is None else set(doc_ids)
         with self._refresh_lock:
-            cacheable, owners, others = [], [], []
+            cacheable, chunks, others = [], [], []
             for chunk in self.index.scan():
                 if chunk.tier == "fixed" and (release is None or chunk.doc_id in release):
                     cacheable.append(chunk.embedding)
-                    owners.append(chunk.doc_id)
+                    chunks.append(replace(chunk, embedding=None))
                 else:
                     others.append(chunk.embedding)
-            self._vectors = _Vectors(_matrix(cacheable), owners, _matrix(others))  # one assignment: atomic swap
-            return len(owners)
+            self._vectors = _Vectors(_matrix(cacheable), chunks, _matrix(others))  # one assignment: atomic swap
+            return len(chunks)
 
     def match(self, vector: Sequence[float] | np.ndarray) -> ScopeMatch:
         held = self._vectors
         question = _unit_rows(np.asarray(vector, dtype=np.float32))
         best, score = _best(held.cacheable, question)
         _, other_score = _best(held.others, question)
-        doc_id = held.cacheable_doc_ids[best] if best >= 0 else None
+        doc_id = held.cacheable_chunks[best].doc_id if best >= 0 else None
         match = ScopeMatch(doc_id=doc_id, score=score, in_scope=False, other_score=other_score)
         return replace(match, in_scope=match.routes_to_cache(self.threshold))
+
+    def cite(self, doc_id: str, vector: Sequence[float] | np.ndarray) -> Citation | None:
+        """The chunk of ``doc_id`` closest to ``vector`` (the embedding of question and answer together), or
+        None when the detector holds no chunk of that document."""
+        held = self._vectors
+        rows = [row for row, chunk in enumerate(held.cacheable_chunks) if chunk.doc_id == doc_id]
+        if not rows:
+            return None
+        best, score = _best(held.cacheable[rows], _unit_rows(np.asarray(vector, dtype=np.float32)))
+        chunk = held.cacheable_chunks[rows[best]]
+        return Citation(chunk.doc_id, chunk.chunk_id, chunk.title, chunk.section, score)
 
 
 # --- calibration -----------------------------------------------------------------------------------
@@ -180,3 +217,40 @@ def calibrate(records: Sequence[QAItem], matches: Sequence[ScopeMatch],
         chosen = max(sweep, key=lambda row: (row.f1, row.threshold))
         rule = f"best F1 (no threshold reaches precision {min_precision:g})"
     return Calibration(threshold=chosen.threshold, rule=rule, chosen=chosen, sweep=sweep)
+
+
+# --- answerability ---------------------------------------------------------------------------------
+
+MIN_ANSWERABLE_KEPT = 0.98
+
+
+@dataclass(frozen=True)
+class AnswerabilityMetrics:
+    """How declining below one threshold does on labelled questions (answerable = some document answers)."""
+
+    threshold: float
+    answerable_kept: float  # share of answerable questions that reach the model
+    unanswerable_declined: float  # share of unanswerable questions declined without the model
+
+
+def evaluate_answerability(records: Sequence[QAItem], matches: Sequence[ScopeMatch],
+                           threshold: float) -> AnswerabilityMetrics:
+    kept = [match.best_score >= threshold for match in matches]
+    answerable = [keep for item, keep in zip(records, kept, strict=True) if item.doc_id]
+    unanswerable = [keep for item, keep in zip(records, kept) if not item.doc_id]
+    return AnswerabilityMetrics(threshold, sum(answerable) / len(answerable) if answerable else 1.0,
+                                sum(not keep for keep in unanswerable) / len(unanswerable) if unanswerable else 0.0)
+
+
+def calibrate_answerability(records: Sequence[QAItem], matches: Sequence[ScopeMatch],
+                            min_kept: float = MIN_ANSWERABLE_KEPT) -> tuple[AnswerabilityMetrics,
+                                                                             list[AnswerabilityMetrics]]:
+    """The highest threshold that still lets ``min_kept`` of the answerable questions reach the model: a
+    wrongly declined question loses an answer the documents hold, while a wrongly kept one still meets the
+    grounded prompt, which declines by itself. Returns the chosen metrics and the sweep."""
+    if not records:
+        raise ValueError("calibration needs at least one labelled question")
+    sweep = [evaluate_answerability(records, matches, cut)
+             for cut in _cut_points([match.best_score for match in matches])]
+    keeping = [row for row in sweep if row.answerable_kept >= min_kept]
+    return max(keeping, key=lambda row: row.threshold), sweep

@@ -77,8 +77,11 @@ def test_query_sends_every_field_and_returns_the_record(api):
     url, received = api
     with ApiClient(url, KEY) as client:
         assert client.query("Which port?", doc_id="skerry-admin-manual", top_k=3, max_new_tokens=16) == ANSWER
+        assert client.query("Which port?", route="retrieval") == ANSWER
     assert received == [{"question": "Which port?", "doc_id": "skerry-admin-manual", "top_k": 3,
-                         "max_new_tokens": 16, "stream": False}]
+                         "max_new_tokens": 16, "stream": False, "route": "auto"},
+                        {"question": "Which port?", "doc_id": None, "top_k": None, "max_new_tokens": None,
+                         "stream": False, "route": "retrieval"}]
 
 
 def test_stream_yields_tokens_then_the_answer(api):

@@ -51,11 +51,12 @@ def test_request_ids_are_kept_only_when_safe_to_log(header, kept):
 
 def test_a_valid_query_parses_with_defaults():
     query = parse_query({"question": "  Which port?  "}, LIMITS)
-    assert (query.question, query.doc_id, query.top_k, query.max_new_tokens, query.stream) == (
-        "Which port?", None, None, None, False)
+    assert (query.question, query.doc_id, query.top_k, query.max_new_tokens, query.stream, query.route) == (
+        "Which port?", None, None, None, False, "auto")
     full = parse_query({"question": "q", "doc_id": "skerry-admin-manual", "top_k": 3, "max_new_tokens": 16,
-                        "stream": True}, LIMITS)
-    assert (full.doc_id, full.top_k, full.max_new_tokens, full.stream) == ("skerry-admin-manual", 3, 16, True)
+                        "stream": True, "route": "retrieval"}, LIMITS)
+    assert (full.doc_id, full.top_k, full.max_new_tokens, full.stream, full.route) == (
+        "skerry-admin-manual", 3, 16, True, "retrieval")
     assert parse_query({"question": "مرحبا 👋 \u202eRTL"}, LIMITS).question == "مرحبا 👋 \u202eRTL"
 
 
@@ -81,6 +82,8 @@ def test_a_valid_query_parses_with_defaults():
     ({"question": "q", "max_new_tokens": "8"}, "max_new_tokens must be an integer"),
     ({"question": "q", "stream": "yes"}, "stream must be true or false"),
     ({"question": "q", "stream": 1}, "stream must be true or false"),
+    ({"question": "q", "route": "cache"}, "route must be one of auto, retrieval"),
+    ({"question": "q", "route": None}, "route must be one of auto, retrieval"),
 ])
 def test_malformed_queries_are_400_with_a_message_that_says_what_is_wrong(body, fragment):
     with pytest.raises(ApiError) as caught:
