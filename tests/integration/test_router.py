@@ -18,6 +18,7 @@ from contextlib import ExitStack
 import pytest
 import requests
 from cagflow.config import Config, load_config
+from cagflow.core.prompt import DECLINED_ANSWER
 from cagflow.devstack.process import ServerProcess, free_port, hold_port
 from cagflow.devstack.triton import LocalTriton
 from cagflow.offline import pipeline
@@ -32,6 +33,8 @@ IN_SCOPE = ("What is the minimum password length?", "security-access-policy")  #
 OUT_OF_SCOPE = "On what date is the eu-west database upgrade maintenance scheduled?"  # a variable document
 VARIABLE_DOC = "maintenance-2025-01-eu-west-database-upgrade"
 CORRUPTED_DOC = "data-retention-backup-guide"  # never asked before its snapshot is corrupted
+OFF_TOPIC = "Can you give me a recipe for banana bread?"  # closest sample chunk ~0.1
+ANSWERABLE_THRESHOLD = 0.25
 
 
 class RouterError(RuntimeError):
@@ -88,6 +91,7 @@ def router_settings(opensearch_url, index, triton, store, keys_path) -> dict[str
             "CAGFLOW__SERVICE__TRITON_URL": triton.http_url, "CAGFLOW__SERVICE__TRITON_GRPC_URL": triton.grpc_url,
             "CAGFLOW__SERVICE__TRITON_METRICS_URL": triton.metrics_url,
             "CAGFLOW__SERVICE__API_KEYS_FILE": str(keys_path), "CAGFLOW__SERVICE__IN_SCOPE_THRESHOLD": "0.5",
+            "CAGFLOW__SERVICE__ANSWERABLE_THRESHOLD": str(ANSWERABLE_THRESHOLD),
             "CAGFLOW__SERVICE__RATE_LIMIT_PER_S": "1000", "CAGFLOW__SERVICE__RATE_LIMIT_BURST": "1000",
             "CAGFLOW__SERVICE__TRITON_TIMEOUT_S": "60", "CAGFLOW__SERVICE__RETRIES": "0",
             "CAGFLOW__CACHE__STATE_STORE": f"file://{store.root}", "CAGFLOW__CACHE__MAX_RESIDENT_STATES": "3",
@@ -138,7 +142,11 @@ def test_in_scope_question_takes_the_cache_route(router, keys, release_store):
     assert answer["route"] == "cache" and answer["route_reason"] == "in_scope" and answer["cache_hit"] is True
     assert answer["snapshot"]["doc_id"] == IN_SCOPE[1] and answer["scope_score"] >= 0.5
     assert answer["snapshot"]["key"] in {entry.key for entry in release.snapshots}
-    assert answer["fallback_reason"] is None and answer["citations"] == []
+    assert answer["fallback_reason"] is None and answer["suggestions"] == []
+    # the tiny model's words hold no figure the policy lacks: answered, citing a chunk of the policy
+    assert answer["answered"] is True and answer["decline_reason"] is None and "model_answer" not in answer
+    assert [citation["doc_id"] for citation in answer["citations"]] == [IN_SCOPE[1]]
+    assert answer["citations"][0]["chunk_id"].startswith(IN_SCOPE[1]) and answer["timings_ms"]["cite"] > 0
     timings = answer["timings_ms"]
     assert timings["total"] >= timings["generate"] >= timings["ttft"] > 0 and timings["search"] == 0
 
@@ -151,6 +159,28 @@ def test_out_of_scope_question_is_answered_by_retrieval_with_citations(router, k
     assert answer["timings_ms"]["search"] > 0
 
 
+def test_a_question_far_from_every_document_is_declined_without_the_model(router, keys):
+    answer = ask(router, keys[1], question=OFF_TOPIC, top_k=2)
+    assert answer["route"] == "retrieval" and answer["answered"] is False
+    assert answer["decline_reason"] == "no_relevant_passage" and answer["answer"] == DECLINED_ANSWER
+    assert answer["best_score"] < ANSWERABLE_THRESHOLD and answer["citations"] == []
+    assert len(answer["suggestions"]) == 2 and answer["timings_ms"]["triton"] == 0
+    streamed = requests.post(f"{router[0]}/v1/query", json={"question": OFF_TOPIC, "stream": True},
+                             headers=keys[1], stream=True, timeout=60)
+    events = sse_events(streamed)
+    assert events[0] == ("token", {"text": DECLINED_ANSWER}) and events[-1][1]["answered"] is False
+    metrics = requests.get(f"{router[0]}/metrics", timeout=10).text
+    assert re.search(r'^cagflow_router_declined_total\{reason="no_relevant_passage"\} [1-9]', metrics, re.MULTILINE)
+
+
+def test_a_fixed_document_question_can_ask_for_retrieval(router, keys):
+    answer = ask(router, keys[1], question=IN_SCOPE[0], route="retrieval", top_k=2)
+    assert answer["route"] == "retrieval" and answer["route_reason"] == "requested" and answer["cache_hit"] is False
+    assert answer["best_score"] >= ANSWERABLE_THRESHOLD and answer["snapshot"] is None
+    assert answer["citations"] or answer["suggestions"]
+    assert IN_SCOPE[1] in {citation["doc_id"] for citation in answer["citations"] + answer["suggestions"]}
+
+
 def test_doc_id_forces_the_route(router, keys):
     forced = ask(router, keys[1], question=OUT_OF_SCOPE, doc_id="support-faq")
     assert forced["route"] == "cache" and forced["route_reason"] == "doc_id"
@@ -161,6 +191,38 @@ def test_doc_id_forces_the_route(router, keys):
     unknown = requests.post(f"{router[0]}/v1/query", json={"question": "q", "doc_id": "no-such-doc"},
                             headers=keys[1], timeout=60)
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_document"
+
+
+def test_the_answers_bench_asks_every_route_through_the_api(router, keys, release_store, tiny_model_dir,
+                                                         corpus_manifest_path):
+    from cagflow.bench import answers
+    from cagflow.client.api_client import ApiClient
+    from cagflow.core.qa import load_qa
+
+    store, _ = release_store
+    sample = {item.id: item for item in load_qa(corpus_manifest_path.parent / "qa.jsonl")}
+    items = [sample["q021"], sample["q051"], sample["q084"]]  # a fixed, a variable and an unanswerable question
+    config = load_config(environ={"CAGFLOW__MODEL__PATH": str(tiny_model_dir), **triton_environment(
+        tiny_model_dir, store.root)})
+    with ApiClient(router[0], keys[1]["Authorization"].split()[1]) as client:
+        rows = answers.ask_all(client, items, MAX_NEW_TOKENS, answers.full_prompt_answerer(config, MAX_NEW_TOKENS))
+    assert [row["id"] for row in rows] == ["q021", "q051", "q084"]
+    fixed, variable, unanswerable = rows
+    assert set(fixed) >= {"auto", "cache", "retrieval", "full"} and "cache" not in variable and "cache" not in unanswerable
+    assert fixed["cache"]["route"] == "cache" and fixed["cache"]["cache_doc_id"] == "security-access-policy"
+    assert fixed["retrieval"]["route"] == "retrieval" and fixed["full"]["route"] == "full"
+    # the full prompt is answered from the same snapshot's document: the same words as the cache route
+    assert fixed["full"]["answer"] == fixed["cache"]["answer"] or not fixed["cache"]["answered"]
+    assert unanswerable["auto"]["decline_reason"] == "no_relevant_passage" and unanswerable["auto"]["correct"]
+    answers._similarities(rows)
+    summary = answers.summarise(rows)
+    cell = summary["table"]["fixed-document questions"]["cache"]
+    assert cell["questions"] == 1 and cell["correct"] == fixed["cache"]["correct"]
+    assert -1 <= cell["similarity"] <= 1 and cell["p50_s"] == fixed["cache"]["seconds"]
+    assert summary["table"]["unanswerable questions"]["auto"]["correct"] == 1
+    assert summary["unanswerable_declined_by"] == {"no_relevant_passage": 1}
+    routed_elsewhere = fixed["auto"]["cache_doc_id"] not in (None, "security-access-policy")
+    assert summary["wrong_document_cache_routes"] == (["q021"] if routed_elsewhere else [])
 
 
 def test_a_corrupt_snapshot_falls_back_to_retrieval_and_says_why(router, keys, release_store):

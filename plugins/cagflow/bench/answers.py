@@ -1,32 +1,208 @@
-"""`cagflow bench answers`: what a numeric recipe costs in answers. Every sample question that a fixed
-document answers is answered from that document's snapshot under each precision (int8 and fp32) of one
-model, in the same run; a fact counts as found when the answer holds all of the question's keywords.
-Measured and reported, never asserted.
+"""`cagflow bench answers`: are the answers right? Every labelled sample question is asked through the
+running REST API as an application asks it, and scored: key facts found (all reference keywords in an
+answer the API did not decline), declined when no document answers, wrong-document cache routing, and the
+cosine similarity of answer and reference answer under all-MiniLM (the CAG paper's "BERTScore"). The
+questions a fixed document answers are also asked on each route by itself — the cache route (``doc_id``),
+retrieval (``"route": "retrieval"``) and the full prompt (document + question prefilled in this process
+with the serving engine, from the same release's snapshot text) — the CAG paper's comparison.
+
+Figures are reported for all questions and for the held-out half (``cagflow.core.qa.halves``), the half
+that `cagflow bench routing` did not calibrate the thresholds on. ``--precisions`` instead compares the
+int8 and fp32 recipes of one model in this process, on the cache route. Measured, never asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from ..config import Config
-from ..core.documents import parse_file
-from ..core.engine import Engine, best_part
-from ..core.model import ModelError, load_model
-from ..core.qa import load_qa
-from ..store.manifests import CorpusManifest
+from ..core.qa import QAItem, halves, load_qa
 from .report import save_report
 
 PRECISIONS = ("int8", "fp32")
 MAX_NEW_TOKENS = 64
+ROUTES = ("auto", "cache", "retrieval", "full")
 
 
-def answer_all(engine: Engine, manifest: Path, qa_path: Path) -> list[dict]:
+# ---- through the API ----------------------------------------------------------------------------------
+
+def _scored(item: QAItem, reply: dict, seconds: float) -> dict:
+    snapshot = reply.get("snapshot") or {}
+    return {"answer": reply.get("answer", ""), "answered": reply.get("answered", True),
+            "correct": item.is_correct(reply.get("answer", ""), reply.get("answered")),
+            "route": reply.get("route"), "cache_doc_id": snapshot.get("doc_id"),
+            "decline_reason": reply.get("decline_reason"), "seconds": seconds,
+            "model_answer": reply.get("model_answer")}
+
+
+def ask_all(client, items: list[QAItem], max_new_tokens: int,
+            full_prompt: Callable[[QAItem], dict] | None = None, progress=None) -> list[dict]:
+    """One row per question: the API's own routing (``auto``) for every question; for fixed-document
+    questions also the cache route, retrieval and (given ``full_prompt``) the full prompt."""
+    from ..client.api_client import ApiError
+
+    def ask(item: QAItem, **options) -> dict:
+        started = time.perf_counter()
+        try:
+            reply = client.query(item.question, max_new_tokens=max_new_tokens, **options)
+        except ApiError as exc:
+            return {"error": f"{exc.code}: {exc.message}", "correct": False, "answered": False,
+                    "seconds": time.perf_counter() - started}
+        return _scored(item, reply, time.perf_counter() - started)
+
+    rows = []
+    for number, item in enumerate(items, start=1):
+        row = {"id": item.id, "kind": item.kind, "in_scope": item.in_scope, "doc_id": item.doc_id,
+               "reference": item.reference_answer, "auto": ask(item)}
+        if item.in_scope:
+            row["cache"] = ask(item, doc_id=item.doc_id)
+            row["retrieval"] = ask(item, route="retrieval")
+            if full_prompt is not None:
+                row["full"] = full_prompt(item)
+        rows.append(row)
+        if progress:
+            progress(number, len(items), row)
+    return rows
+
+
+def full_prompt_answerer(config: Config, max_new_tokens: int) -> Callable[[QAItem], dict]:
+    """The full-prompt route in this process: the document of the active release's snapshot, prefilled
+    with the question on the serving engine (no KV reuse)."""
+    from ..core.engine import Engine
+    from ..inference.resident import snapshot_for_question
+    from ..store.backends import open_store
+    from ..store.manifests import load_release
+
+    store = open_store(config.cache.state_store, config.cache.s3)
+    release = load_release(store, None)
+    engine = Engine.from_config(config.model)
+    engine.answer("Hello?", max_new_tokens=1)
+
+    def answer(item: QAItem) -> dict:
+        snapshot = snapshot_for_question(store, release.for_doc(item.doc_id), item.question)
+        result = engine.answer(item.question, snapshot=snapshot, max_new_tokens=max_new_tokens, reuse_cache=False)
+        return {"answer": result.text, "answered": result.answered, "route": "full", "cache_doc_id": None,
+                "correct": item.is_correct(result.text, result.answered), "seconds": result.total_s,
+                "decline_reason": result.decline_reason}
+
+    return answer
+
+
+def _similarities(rows: list[dict]) -> None:
+    """Cosine similarity of every answer to its reference answer (all-MiniLM), in place."""
+    from ..search.embeddings import get_embedder
+
+    answers = [(row, route) for row in rows for route in ROUTES if route in row and "error" not in row[route]]
+    embedder = get_embedder()
+    vectors = embedder.encode([row[route]["answer"] or "-" for row, route in answers])
+    references = embedder.encode([row["reference"] for row, _ in answers])
+    for (row, route), answer, reference in zip(answers, vectors, references):
+        row[route]["similarity"] = float(answer @ reference)
+
+
+def _cell(rows: list[dict], route: str) -> dict | None:
+    asked = [row[route] for row in rows if route in row]
+    if not asked:
+        return None
+    similar = [answer["similarity"] for answer in asked if "similarity" in answer]
+    return {"questions": len(asked), "correct": sum(answer["correct"] for answer in asked),
+            "share": sum(answer["correct"] for answer in asked) / len(asked),
+            "similarity": statistics.fmean(similar) if similar else None,
+            "p50_s": statistics.median(answer["seconds"] for answer in asked),
+            "errors": sum("error" in answer for answer in asked)}
+
+
+GROUPS: dict[str, Callable[[dict], bool]] = {
+    "fixed-document questions": lambda row: row["in_scope"],
+    "  of which near misses": lambda row: row["in_scope"] and row["kind"] == "near_miss",
+    "variable-document questions": lambda row: not row["in_scope"] and row["doc_id"] is not None,
+    "unanswerable questions": lambda row: row["doc_id"] is None,
+    "  of which near-miss identifiers": lambda row: row["kind"] == "near_miss_absent",
+}
+
+
+def summarise(rows: list[dict]) -> dict:
+    table = {group: {route: _cell([row for row in rows if keep(row)], route) for route in ROUTES}
+             for group, keep in GROUPS.items()}
+    cached = [row for row in rows if row["auto"].get("route") == "cache"]
+    wrong_document = [row["id"] for row in cached if row["doc_id"] is not None and row["auto"]["cache_doc_id"] != row["doc_id"]]
+    declines: dict[str, int] = {}
+    for row in rows:
+        if row["doc_id"] is None and not row["auto"]["answered"]:
+            reason = row["auto"].get("decline_reason") or "error"
+            declines[reason] = declines.get(reason, 0) + 1
+    return {"questions": len(rows), "table": table, "wrong_document_cache_routes": wrong_document,
+            "wrong_document_share": len(wrong_document) / len(rows) if rows else 0.0,
+            "unanswerable_declined_by": declines}
+
+
+def print_summary(title: str, summary: dict) -> None:
+    print(f"\n{title}: {summary['questions']} questions")
+    print(f"{'':<34}" + "".join(f"{route:>22}" for route in ROUTES))
+    for group, cells in summary["table"].items():
+        line = f"{group:<34}"
+        for route in ROUTES:
+            cell = cells[route]
+            line += f"{'-':>22}" if cell is None else \
+                f"{cell['correct']:>5}/{cell['questions']:<3} {cell['share']:>4.0%} {cell['p50_s']:>5.1f} s"
+        print(line)
+    print(f"wrong-document cache routes: {len(summary['wrong_document_cache_routes'])} "
+          f"({summary['wrong_document_share']:.1%}) {summary['wrong_document_cache_routes']}; "
+          f"unanswerable declined by: {summary['unanswerable_declined_by']}")
+
+
+def through_api(config: Config, args: argparse.Namespace) -> int:
+    from ..client.demo import open_local_client
+
+    client = open_local_client(config, "bench answers")
+    if client is None:
+        return 2
+    url = client.base_url
+    items = load_qa(Path(config.corpus.manifest).parent / "qa.jsonl")
+    if args.limit:
+        items = items[:args.limit]
+    print(f"loading {config.model.path} here for the full-prompt route...", file=sys.stderr, flush=True)
+    full = full_prompt_answerer(config, MAX_NEW_TOKENS)
+
+    def progress(number: int, total: int, row: dict) -> None:
+        marks = " ".join(f"{route} {'✓' if row[route]['correct'] else '✗'}" for route in ROUTES if route in row)
+        print(f"[{number}/{total}] {row['id']} {marks}", file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    rows = ask_all(client, items, MAX_NEW_TOKENS, full, progress)
+    _similarities(rows)
+    _, held_out = halves(items)
+    held = {item.id for item in held_out}
+    report = {"model": config.model.path, "api": url, "max_new_tokens": MAX_NEW_TOKENS,
+              "thresholds": {"in_scope": config.service.in_scope_threshold,
+                             "answerable": config.service.answerable_threshold},
+              "seconds": time.perf_counter() - started, "all": summarise(rows),
+              "held_out": summarise([row for row in rows if row["id"] in held]), "rows": rows}
+    print(f"{config.model.path} through {url} ({MAX_NEW_TOKENS} new tokens at most); cells: right / asked, "
+          "share, p50 seconds")
+    print_summary("all questions", report["all"])
+    print_summary("held-out half", report["held_out"])
+    saved = save_report("answers", report)
+    if saved:
+        print(f"written {saved}")
+    return 0
+
+
+# ---- int8 against fp32, in this process -------------------------------------------------------------
+
+def answer_from_snapshots(engine, manifest: Path, qa_path: Path) -> list[dict]:
     """Each in-scope question about a fixed document, answered from the best-matching part's snapshot."""
+    from ..core.documents import parse_file
+    from ..core.engine import best_part
+    from ..store.manifests import CorpusManifest
+
     corpus = CorpusManifest.load(manifest)
-    items = [item for item in load_qa(qa_path) if item.in_scope and item.doc_id]
+    items = [item for item in load_qa(qa_path) if item.in_scope]
     snapshots = {}
     for document in corpus.tier("fixed"):
         parts = engine.split(document.doc_id, document.version, parse_file(corpus.file(document), document.title))
@@ -38,25 +214,28 @@ def answer_all(engine: Engine, manifest: Path, qa_path: Path) -> list[dict]:
         parts = snapshots[item.doc_id]
         snapshot = parts[best_part(item.question, [s.system_prompt for s in parts])]
         answer = engine.answer(item.question, snapshot=snapshot, max_new_tokens=MAX_NEW_TOKENS)
-        rows.append({"id": item.id, "answer": answer.text, "found": item.is_correct(answer.text),
+        rows.append({"id": item.id, "answer": answer.text, "found": item.is_correct(answer.text, answer.answered),
                      "token_ids": answer.token_ids, "seconds": answer.total_s})
     return rows
 
 
-def main(config: Config, args: argparse.Namespace) -> int:
-    args.model = args.model or config.model.path
+def compare_precisions(config: Config, args: argparse.Namespace) -> int:
+    from ..core.engine import Engine
+    from ..core.model import ModelError, load_model
+
+    model = args.model or config.model.path
     manifest = Path(config.corpus.manifest)
-    report: dict = {"model": args.model, "threads": config.model.threads, "precisions": {}}
+    report: dict = {"model": model, "threads": config.model.threads, "precisions": {}}
     for precision in PRECISIONS:
         print(f"answering under {precision}...", file=sys.stderr, flush=True)
         try:
-            loaded = load_model(args.model, config.model.threads, precision)
+            loaded = load_model(model, config.model.threads, precision)
         except ModelError as exc:
             print(f"skipped: {exc}")
             return 0
         engine = Engine(loaded, config.model.max_context_tokens, MAX_NEW_TOKENS, config.model.question_budget_tokens)
         started = time.perf_counter()
-        rows = answer_all(engine, manifest, manifest.parent / "qa.jsonl")
+        rows = answer_from_snapshots(engine, manifest, manifest.parent / "qa.jsonl")
         report["precisions"][precision] = {"recipe": engine.recipe, "rows": rows,
                                            "found": sum(row["found"] for row in rows), "questions": len(rows),
                                            "seconds": time.perf_counter() - started}
@@ -64,7 +243,7 @@ def main(config: Config, args: argparse.Namespace) -> int:
     results = report["precisions"]
     same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(results["int8"]["rows"], results["fp32"]["rows"]))
     report["identical_answers"] = same
-    print(f"{args.model}: facts found in answers from snapshots ({MAX_NEW_TOKENS} new tokens at most)")
+    print(f"{model}: facts found in answers from snapshots ({MAX_NEW_TOKENS} new tokens at most)")
     for precision, result in results.items():
         print(f"  {precision:>5} ({result['recipe']}): {result['found']}/{result['questions']} "
               f"({result['found'] / result['questions']:.0%}) in {result['seconds']:.0f} s")
@@ -73,7 +252,11 @@ def main(config: Config, args: argparse.Namespace) -> int:
     for a, b in differ:
         print(f"  {a['id']}: int8 {'found' if a['found'] else 'missed'} ({a['answer'][:70]!r}) / fp32 "
               f"{'found' if b['found'] else 'missed'} ({b['answer'][:70]!r})")
-    saved = save_report("answers", report)
+    saved = save_report("answers-precisions", report)
     if saved:
         print(f"written {saved}")
     return 0
+
+
+def main(config: Config, args: argparse.Namespace) -> int:
+    return compare_precisions(config, args) if args.precisions else through_api(config, args)

@@ -355,13 +355,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("which", choices=("retrieval", "routing", "engine", "answers"),
                        help="retrieval: recall@k of BM25, vector and hybrid search; routing: in-scope detection "
                             "per threshold and its calibration; engine: answer speed from a resident snapshot; "
-                            "answers: facts found in answers from snapshots, int8 against fp32")
+                            "answers: are the answers right, per route, through the running API "
+                            "(--precisions: int8 against fp32 in this process)")
     engine = bench.add_argument_group("options of `bench engine` and `bench answers`")
     engine.add_argument("--model", help="a model preset or path (default: model.path of the configuration)")
     engine.add_argument("--runs", type=int, default=3, help="short runs per cell; the median is reported")
     engine.add_argument("--peer", choices=("llama-cpp",),
                         help="also run llama.cpp (llama-cpp-python, built once into its own virtual environment) "
                              "on the same GGUF file, prompts and threads, in the same run")
+    engine.add_argument("--precisions", action="store_true",
+                        help="bench answers: compare int8 and fp32 answers from snapshots in this process")
+    engine.add_argument("--limit", type=int, help="bench answers: ask only the first N sample questions")
     bench.set_defaults(run=cmd_bench)
 
     for service in SERVICES:

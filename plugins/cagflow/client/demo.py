@@ -68,8 +68,15 @@ def _print_answer(number: int, total: int, item: QAItem, reply: dict) -> None:
     timings = reply.get("timings_ms") or {}
     print(f"\n[{number}/{total}] {item.question}  (expected: {expected})")
     print(f"  answer   : {reply.get('answer', '').strip()}")
-    found = "keywords found" if item.is_correct(reply.get("answer", "")) else "keywords missing"
-    print(f"  reference: {item.reference_answer}  [{found}]")
+    if reply.get("model_answer"):
+        print(f"             (declined, {reply.get('decline_reason')}: the model said {reply['model_answer']!r})")
+    verdict = "right" if item.is_correct(reply.get("answer", ""), reply.get("answered")) else "wrong"
+    print(f"  reference: {item.reference_answer}  [{verdict}]")
+    citations = reply.get("citations") or reply.get("suggestions") or []
+    if citations:
+        label = "cites    " if reply.get("citations") else "see also "
+        print(f"  {label}: " + "; ".join(" — ".join(part for part in (c.get("title"), c.get("section")) if part)
+                                        or c.get("doc_id", "") for c in citations[:3]))
     print(f"  route    : {reply.get('route')} · cache hit {'yes' if reply.get('cache_hit') else 'no'}"
           f" · fallback {reply.get('fallback_reason') or '-'}"
           + (f" · snapshot {snapshot['key']}" if snapshot.get("key") else "")
@@ -128,30 +135,42 @@ def _api_url(config: Config) -> str:
     return state["url"] if state else default_base_url(config.service)
 
 
+def open_local_client(config: Config, command: str):
+    """A client of the local API with the local user key, checked to answer; None (and the reason printed
+    for ``cagflow <command>``) when it cannot be used."""
+    from ..router.apikeys import ApiKeyError, read_local_credentials
+    from .api_client import ApiClient, ApiError, client_timeout_s
+
+    url = _api_url(config)
+    try:
+        credentials = read_local_credentials()
+    except ApiKeyError as exc:
+        print(f"cagflow {command}: error: {exc}", file=sys.stderr)
+        return None
+    if credentials is None or not credentials.api_key:
+        print(f"cagflow {command}: error: no local API key; create one with `cagflow keys init-local` "
+              "(or set CAGFLOW_API_KEY)", file=sys.stderr)
+        return None
+    client = ApiClient(url, credentials.api_key, timeout_s=client_timeout_s(config.service))
+    try:
+        client.health()
+    except ApiError as exc:
+        print(f"cagflow {command}: error: the API at {url} does not answer ({exc.message}); "
+              "start it with `cagflow router up` (or `make run`)", file=sys.stderr)
+        return None
+    return client
+
+
 def run_demo(config: Config, questions: int, max_new_tokens: int, local: bool = False) -> int:
     """Ask ``questions`` sample questions through the REST API; 0 when every one was answered."""
     if local:
         return run_local_demo(config, questions, max_new_tokens)
-    from ..router.apikeys import ApiKeyError, read_local_credentials
-    from .api_client import ApiClient, ApiError, client_timeout_s
+    from .api_client import ApiError
 
-    api_url = _api_url(config)
-    try:
-        credentials = read_local_credentials()
-    except ApiKeyError as exc:
-        print(f"cagflow demo: error: {exc}", file=sys.stderr)
+    client = open_local_client(config, "demo")
+    if client is None:
         return 2
-    if credentials is None or not credentials.api_key:
-        print("cagflow demo: error: no local API key; create one with `cagflow keys init-local` "
-              "(or set CAGFLOW_API_KEY)", file=sys.stderr)
-        return 2
-    client = ApiClient(api_url, credentials.api_key, timeout_s=client_timeout_s(config.service))
-    try:
-        client.health()
-    except ApiError as exc:
-        print(f"cagflow demo: error: the API at {api_url} does not answer ({exc.message}); "
-              "start it with `cagflow router up`", file=sys.stderr)
-        return 2
+    api_url = client.base_url
     items = pick_mixed_questions(Path(config.corpus.manifest).parent / "qa.jsonl", questions)
     print(f"asking {len(items)} sample questions through {api_url}/v1/query")
     replies, asked, errors = [], [], 0
