@@ -28,7 +28,7 @@ _ORDINAL_WORDS = ("zeroth", "first", "second", "third", "fourth", "fifth", "sixt
 _DECLINE = re.compile(r"\b(?:documents?|passages?|text|manual)\s+(?:do|does)\s+not\s+"
                       r"(?:contain|include|mention|say|specify|state|provide|have|list|give)\b"
                       r"|\bnot\s+(?:found|mentioned|stated|specified|provided|given|listed|included)\s+in\s+the\s+"
-                      r"(?:documents?|passages?|text|manual)\b",
+                      r"(?:provided\s+|given\s+)?(?:documents?|passages?|text|manual)\b",
                       re.IGNORECASE)
 
 

@@ -43,7 +43,8 @@ def test_invented_figures_and_unknown_identifiers_are_unsupported(answer, questi
 @pytest.mark.parametrize("answer", [DECLINED_ANSWER, "The document does not contain the answer.",
                                     "The passages do not mention a Wi-Fi password.",
                                     "This is not stated in the documents.",
-                                    "The Wi-Fi password in the office is not provided in the document.", ""])
+                                    "The Wi-Fi password in the office is not provided in the document.",
+                                    "The list price of an SG-800 is not mentioned in the provided text.", ""])
 def test_declines_in_the_models_words_are_recognised(answer):
     verdict = check(answer, SOURCE)
     assert not verdict.answered and verdict.unsupported == ()
