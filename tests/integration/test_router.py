@@ -218,7 +218,9 @@ def test_the_answers_bench_asks_every_route_through_the_api(router, keys, releas
     summary = answers.summarise(rows)
     cell = summary["table"]["fixed-document questions"]["cache"]
     assert cell["questions"] == 1 and cell["correct"] == fixed["cache"]["correct"]
-    assert -1 <= cell["similarity"] <= 1 and cell["p50_s"] == fixed["cache"]["seconds"]
+    assert -1 <= cell["similarity"] <= 1
+    # an answer the API gave before (an earlier test asked the same) comes from its answer cache: not timed
+    assert cell["p50_s"] == (fixed["cache"]["seconds"] if fixed["cache"]["computed"] else None)
     assert summary["table"]["unanswerable questions"]["auto"]["correct"] == 1
     assert summary["unanswerable_declined_by"] == {"no_relevant_passage": 1}
     routed_elsewhere = fixed["auto"]["cache_doc_id"] not in (None, "security-access-policy")
