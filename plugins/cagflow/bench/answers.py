@@ -138,7 +138,8 @@ def summarise(rows: list[dict]) -> dict:
     table = {group: {route: _cell([row for row in rows if keep(row)], route) for route in ROUTES}
              for group, keep in GROUPS.items()}
     cached = [row for row in rows if row["auto"].get("route") == "cache"]
-    wrong_document = [row["id"] for row in cached if row["doc_id"] is not None and row["auto"]["cache_doc_id"] != row["doc_id"]]
+    wrong_document = [row["id"] for row in cached
+                      if row["doc_id"] is not None and row["auto"]["cache_doc_id"] != row["doc_id"]]
     declines: dict[str, int] = {}
     for row in rows:
         if row["doc_id"] is None and not row["auto"]["answered"]:

@@ -97,8 +97,7 @@ def _source(snapshot: Snapshot | None, context: Sequence[Passage] | None) -> str
 
 def _grounded(text: str, source: str | None, question: str, **fields) -> Answer:
     """The answer with its grounding verdict against the text it was answered from (none: a question alone)."""
-    verdict = grounding.check(text, source, question) if source is not None else \
-        grounding.Grounding(not grounding.is_declined(text))
+    verdict = grounding.check(text, source, question)
     return Answer(text, **fields, answered=verdict.answered, unsupported=verdict.unsupported)
 
 

@@ -34,7 +34,8 @@ Weights: the first load of a model quantises its checkpoint and writes the prepa
 (``prepared_weights``); every process then maps that file read-only instead of holding its own copy, so
 the serving processes of a machine (Triton's models, a precompute worker) share one copy in the page cache.
 
-Entry points: ``FastLM.from_pretrained(folder)``, ``FastLM.load(folder, weights_file)``, ``prefill_prefix(ids)``, ``steps(prefix, [ids, ...], n)``
+Entry points: ``FastLM.from_pretrained(folder)``, ``FastLM.load(folder, weights_file)``, ``prefill_prefix(ids)``,
+``steps(prefix, [ids, ...], n)``
 (greedy tokens step by step, for streams and batches), ``answer(prefix, ids, n)``, ``answer_batch``,
 ``answer_full(ids, prefix_len, n)``, ``logits(prefix, ids)``. Threads: the caller sets
 ``torch.set_num_threads`` (``model.threads``; one thread by default, see the README's thread policy).
@@ -224,7 +225,7 @@ def _folder_config(folder: Path) -> tuple[LMConfig, tuple[torch.Tensor, torch.Te
 
 def prepared_weights(folder: Path, fingerprint: str) -> Path:
     """The prepared-weights file of a model folder under the recipe its ``fingerprint`` names: written once
-    (under a lock, so concurrent first loads quantise once), kept in the cache's kernels folder. Files of
+    (under a lock, so concurrent first loads quantise once), kept in ``$CAGFLOW_HOME/weights``. Files of
     the same folder under other recipes or weights are removed (a process mapping one keeps its pages)."""
     weights_dir = CACHE_HOME / "weights"
     path = weights_dir / f"{folder.name}-{fingerprint[:16]}.fastlm"
@@ -423,7 +424,7 @@ class FastLM:
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             for entry in header["tensors"]:
                 dtype = getattr(torch, entry["dtype"])
-                count = entry["nbytes"] // torch.empty(0, dtype=dtype).element_size()
+                count = entry["nbytes"] // dtype.itemsize
                 tensors[entry["name"]] = (torch.frombuffer(mapped, dtype=dtype, count=count,
                                                            offset=start + entry["offset"]).view(entry["shape"])
                                           if count else torch.empty(entry["shape"], dtype=dtype))

@@ -13,8 +13,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .prompt import DECLINED_ANSWER
-
 # A run of word characters and joiners holding at least one digit: 8443, E-407, 192.168.77.1/24, 5.1.3, 3,450.
 _FIGURE = re.compile(r"[\w./:,+-]*\d[\w./:,+-]*")
 _EDGE = ".,:/+-_"
@@ -72,16 +70,17 @@ def _in_source(figure: str, text: str) -> bool:
     return bool(re.search(rf"\b{word}\b", text))
 
 
-def check(answer: str, source: str, question: str = "") -> Grounding:
+def check(answer: str, source: str | None, question: str = "") -> Grounding:
     """Whether ``answer`` answers from ``source``: not a decline, and every figure it states is in the source
-    as a whole token (``8443`` does not match inside ``18443``) or is a plain quantity given by ``question``."""
+    as a whole token (``8443`` does not match inside ``18443``) or is a plain quantity given by ``question``.
+    Without a source (a question asked alone) only a decline counts."""
     if is_declined(answer) or not answer.strip():
         return Grounding(False)
+    if source is None:
+        return Grounding(True)
     text = _normalise(source)
     given = {figure for figure in figures(question) if _QUANTITY.fullmatch(figure)}
     missing = tuple(dict.fromkeys(figure for figure in figures(answer)
                                   if figure not in given and not _in_source(figure, text)))
     return Grounding(not missing, missing)
 
-
-__all__ = ["DECLINED_ANSWER", "Grounding", "check", "figures", "is_declined"]

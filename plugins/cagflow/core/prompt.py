@@ -1,7 +1,8 @@
 """The prompt template: a fixed header + document block whose tokens are a true prefix of every prompt.
 
 The document (or retrieved passages) goes into the system turn; the question, followed by a short reminder
-to answer only from that text, is the user turn. The prefix is the rendered system turn alone. We tokenise the full prompt once and split it at the prefix's
+to answer only from that text, is the user turn. The prefix is the rendered system turn alone. We tokenise
+the full prompt once and split it at the prefix's
 token count, then check the split really is the snapshot's prefix: tokenising prefix and question
 separately can merge tokens differently at the boundary.
 """
@@ -20,9 +21,11 @@ DECLINED_ANSWER = "The documents do not contain the answer."
 _GROUNDING = ("Quote numbers, codes, names and durations exactly as written there. If the answer is not there, "
               f"reply only: {DECLINED_ANSWER} Answer in one or two short sentences.")
 # Repeated after the question, where a small model heeds it most: Qwen2.5-1.5B declined 22 of 43 unanswerable
-# sample questions with it and 9 without, and found as many facts (55 and 56 of 59).
-QUESTION_REMINDER = f"(Answer only from the text above. If it does not answer this exact question, reply: {DECLINED_ANSWER})"
-DOCUMENT_INSTRUCTION = f"You are a support assistant. Answer the user's question using only the document below. {_GROUNDING}"
+# sample questions with it and 9 without, and found nearly as many facts (55 and 56 of 59).
+QUESTION_REMINDER = ("(Answer only from the text above. If it does not answer this exact question, "
+                     f"reply: {DECLINED_ANSWER})")
+DOCUMENT_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the document below. "
+                        f"{_GROUNDING}")
 PASSAGES_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the numbered passages "
                         f"below. {_GROUNDING}")
 

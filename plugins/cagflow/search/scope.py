@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import numpy as np
 
 from .embeddings import EMBEDDING_DIMENSION
-
 from .retrieval import Chunk
 
 if TYPE_CHECKING:
@@ -236,8 +235,8 @@ class AnswerabilityMetrics:
 def evaluate_answerability(records: Sequence[QAItem], matches: Sequence[ScopeMatch],
                            threshold: float) -> AnswerabilityMetrics:
     kept = [match.best_score >= threshold for match in matches]
-    answerable = [keep for item, keep in zip(records, kept, strict=True) if item.doc_id]
-    unanswerable = [keep for item, keep in zip(records, kept) if not item.doc_id]
+    answerable = [keep for item, keep in zip(records, kept, strict=True) if item.answerable]
+    unanswerable = [keep for item, keep in zip(records, kept) if not item.answerable]
     return AnswerabilityMetrics(threshold, sum(answerable) / len(answerable) if answerable else 1.0,
                                 sum(not keep for keep in unanswerable) / len(unanswerable) if unanswerable else 0.0)
 

@@ -2,8 +2,8 @@
 identifiers that do not exist, declines in the model's own words) and on answers that are right."""
 
 import pytest
-from cagflow.core.grounding import DECLINED_ANSWER, check, figures, is_declined
-from cagflow.core.prompt import document_system
+from cagflow.core.grounding import check, figures, is_declined
+from cagflow.core.prompt import DECLINED_ANSWER, document_system
 from cagflow.core.qa import QAItem, halves
 
 SOURCE = document_system("Skerry Gateway Administrator Manual", (
