@@ -3,9 +3,10 @@ say often invents a plausible figure ("the share price is $1.218") or describes 
 identifier that does not exist (alarm E-408 when the manual lists E-407). Support answers live on such
 figures, so an answer is held unsupported when it states a number or identifier that appears nowhere in
 its source (the document or passages it was answered from). A plain quantity the question itself gives
-("a CVSS score of 7.5") may be repeated; an identifier from the question (E-408, 5.3.2) must still be in the
-source, or the answer describes something the documents do not know. It is a one-sided check: an invented
-answer without figures passes, and a supported figure is never doubted.
+("a CVSS score of 7.5") may be repeated; an identifier from the question (E-408, 5.3.2, or a number named
+as one: "port 9441") must be in the source whether the answer repeats it or not, or the answer describes
+something the documents do not know. It is a one-sided check: an invented answer without figures passes,
+and a supported figure is never doubted.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ _EDGE = ".,:/+-_"
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 _QUANTITY = re.compile(r"\d+(?:\.\d+)?")
 _ORDINAL = re.compile(r"(\d+)(?:st|nd|rd|th)")
+# A plain number right after one of these words names something (port 9441, code 17) rather than counts it.
+_NAMING_WORD = re.compile(r"\b(?:port|code|alarm|error|id|number|version|release|ticket|incident|rule|build|model)s?"
+                          r"\s+$", re.IGNORECASE)
 _NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
                  "twelve")
 _ORDINAL_WORDS = ("zeroth", "first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth",
@@ -38,6 +42,19 @@ def figures(text: str) -> list[str]:
     """Numbers and identifiers in ``text``, lower-cased, without thousands separators or edge punctuation."""
     found = (match.strip(_EDGE) for match in _FIGURE.findall(_normalise(text)))
     return [figure for figure in found if any(char.isdigit() for char in figure)]
+
+
+def identifiers(question: str) -> list[str]:
+    """The figures of a question that name something: any figure but a plain quantity, and a plain number
+    right after a naming word ("port 9441")."""
+    text = _normalise(question)
+    found = []
+    for match in _FIGURE.finditer(text):
+        figure = match.group(0).strip(_EDGE)
+        if any(char.isdigit() for char in figure) and (
+                not _QUANTITY.fullmatch(figure) or _NAMING_WORD.search(text[:match.start()])):
+            found.append(figure)
+    return found
 
 
 def is_declined(answer: str) -> bool:
@@ -71,16 +88,18 @@ def _in_source(figure: str, text: str) -> bool:
 
 
 def check(answer: str, source: str | None, question: str = "") -> Grounding:
-    """Whether ``answer`` answers from ``source``: not a decline, and every figure it states is in the source
-    as a whole token (``8443`` does not match inside ``18443``) or is a plain quantity given by ``question``.
-    Without a source (a question asked alone) only a decline counts."""
+    """Whether ``answer`` answers from ``source``: not a decline, every identifier the question names is in the
+    source, and every figure the answer states is in the source as a whole token (``8443`` does not match
+    inside ``18443``) or is a plain quantity given by ``question``. Without a source (a question asked alone)
+    only a decline counts."""
     if is_declined(answer) or not answer.strip():
         return Grounding(False)
     if source is None:
         return Grounding(True)
     text = _normalise(source)
-    given = {figure for figure in figures(question) if _QUANTITY.fullmatch(figure)}
-    missing = tuple(dict.fromkeys(figure for figure in figures(answer)
-                                  if figure not in given and not _in_source(figure, text)))
+    named = set(identifiers(question))
+    given = {figure for figure in figures(question) if _QUANTITY.fullmatch(figure) and figure not in named}
+    stated = [*named, *(figure for figure in figures(answer) if figure not in given)]
+    missing = tuple(dict.fromkeys(figure for figure in stated if not _in_source(figure, text)))
     return Grounding(not missing, missing)
 

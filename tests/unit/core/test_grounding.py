@@ -2,7 +2,7 @@
 identifiers that do not exist, declines in the model's own words) and on answers that are right."""
 
 import pytest
-from cagflow.core.grounding import check, figures, is_declined
+from cagflow.core.grounding import check, figures, identifiers, is_declined
 from cagflow.core.prompt import DECLINED_ANSWER, document_system
 from cagflow.core.qa import QAItem, halves
 
@@ -34,6 +34,12 @@ def test_answers_whose_figures_are_in_the_source_are_answered(answer):
     ("Error code E-408 means a split cluster.", "What does error code E-408 mean?", ("e-408",)),
     ("Skerry 5.3.2 was released on 1 October 2021.", "When was Skerry 5.3.2 released?", ("5.3.2", "2021")),
     ("Port 18443 is the web console.", "Which port?", ("18443",)),  # not a match inside a longer number
+    # real answers that describe the neighbour of an identifier the documents do not have
+    ("Alarm E-407 means the disk is almost full.", "What does error code E-408 mean on a Skerry gateway?",
+     ("e-408",)),
+    ("The TCP port 9441 is used for the HTTP ingest API.", "What is TCP port 9441 used for?", ("9441",)),
+    ("The poller leaked memory on exception code 0x0B.", "What went wrong with exception code 0x0A?",
+     ("0x0a", "0x0b")),
 ])
 def test_invented_figures_and_unknown_identifiers_are_unsupported(answer, question, unsupported):
     verdict = check(answer, SOURCE, question)
@@ -49,6 +55,13 @@ def test_declines_in_the_models_words_are_recognised(answer):
     verdict = check(answer, SOURCE)
     assert not verdict.answered and verdict.unsupported == ()
     assert verdict.reason == "model_declined"
+
+
+def test_identifiers_are_figures_that_name_something():
+    assert identifiers("What does error code E-407 mean in Skerry 5.1.3?") == ["e-407", "5.1.3"]
+    assert identifiers("What is TCP port 8443 used for, and what does code 17 mean?") == ["8443", "17"]
+    assert identifiers("How soon must a CVSS score of 7.5 be fixed within 30 days?") == []
+    assert check("Port 8443 serves the web console.", SOURCE, "What is port 8443 used for?").answered
 
 
 def test_figures_are_lower_cased_without_edge_punctuation_or_thousands_separators():
