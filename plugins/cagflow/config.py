@@ -86,6 +86,11 @@ class RetrievalConfig(_Section):
     timeout_s: float = Field(5.0, gt=0)
     chunk_tokens: int = Field(200, ge=16, le=512)
     chunk_overlap_tokens: int = Field(40, ge=0)
+    # cache+retrieval: at most this many passages of newer variable documents follow a fixed document's
+    # snapshot (0 = never; see README "Routes"), cut to their sentences closest to the question, this many
+    # words in all: every word is prefilled per request.
+    update_passages: int = Field(2, ge=0, le=10)
+    update_words: int = Field(90, ge=10, le=2000)
 
     @field_validator("chunk_overlap_tokens")
     @classmethod

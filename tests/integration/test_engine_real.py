@@ -1,10 +1,12 @@
-"""Shared-prefix decoding on the real models (SmolLM2 on both recipes, Qwen2.5-0.5B on int8): single, streamed and batched answers from a
-snapshot are token-identical to the full prompt, and the logits agree."""
+"""Shared-prefix decoding on the real models (SmolLM2 on both recipes, Qwen2.5-0.5B on int8): single, streamed,
+batched and cache+retrieval answers from a snapshot are token-identical to the full prompt, and the logits
+agree."""
 
 import pytest
 import torch
 from cagflow.core.documents import parse_file
 from cagflow.core.engine import Answer, Engine
+from cagflow.core.prompt import Passage
 
 QUESTIONS = ["Which port does the web console use?", "How long are backups kept?",
              "Who can approve an emergency change?"]
@@ -34,6 +36,15 @@ def test_real_model_shared_prefix_is_exact(model, request, corpus):
     streamed = list(engine.stream(QUESTIONS[0], snapshot=snapshot))
     assert isinstance(streamed[-1], Answer) and streamed[-1].token_ids == full[0].token_ids
     assert "".join(streamed[:-1]).strip() == full[0].text
+    updates = [Passage("Since Skerry 5.4.0 the web console listens on port 9443.", "Skerry 5.4.0 Release Notes",
+                       "Changes", "2025-03-10")]
+    combined = engine.answer(QUESTIONS[0], snapshot=snapshot, context=updates)
+    assert combined.route == "cache+retrieval"
+    assert combined.token_ids == engine.answer(QUESTIONS[0], snapshot=snapshot, context=updates,
+                                               reuse_cache=False).token_ids
+    cached = engine.suffix_logits(QUESTIONS[0], snapshot, updates=updates)
+    uncached = engine.suffix_logits(QUESTIONS[0], snapshot, reuse_cache=False, updates=updates)
+    assert torch.allclose(cached, uncached, atol=1e-4) and (engine.fast is None or torch.equal(cached, uncached))
     batch = engine.answer_batch(QUESTIONS, snapshot)
     assert [a.token_ids for a in batch] == [a.token_ids for a in full]
     assert [a.finish_reason for a in batch] == [a.finish_reason for a in full]

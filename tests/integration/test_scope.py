@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from cagflow.core.qa import QAItem
 from cagflow.search.embeddings import get_embedder
-from cagflow.search.retrieval import Chunk, ChunkIndex
+from cagflow.search.retrieval import Chunk, ChunkIndex, index_body
 from cagflow.search.scope import (NO_MATCH_SCORE, ScopeDetector, ScopeMatch, calibrate, calibrate_answerability,
                                   evaluate, evaluate_answerability)
 
@@ -16,9 +16,12 @@ CHUNKS = [
     Chunk("leave-2", "hr-handbook", "Sick leave requires a medical certificate from the third day of absence.",
           tier="fixed", version="3", title="HR handbook", section="Sickness"),
     Chunk("vpn-1", "it-guide", "To connect to the corporate VPN, install the WireGuard client and import the "
-          "configuration file from the IT portal.", tier="fixed", version="7", title="IT guide", section="VPN"),
+          "configuration file from the IT portal.", tier="fixed", version="7", title="IT guide", section="VPN",
+          published="2024-06-01"),
     Chunk("vpn-2", "it-guide", "Passwords must be rotated every 90 days and contain at least 14 characters.",
-          tier="fixed", version="7", title="IT guide", section="Accounts"),
+          tier="fixed", version="7", title="IT guide", section="Accounts", published="2024-06-01"),
+    Chunk("update-1", "it-guide-amendment", "From March on, passwords must contain at least 16 characters.",
+          tier="variable", version="1", title="IT guide amendment", section="Passwords", published="2025-03-01"),
     Chunk("menu-1", "canteen-menu", "This week the canteen serves vegetable lasagna on Monday and grilled salmon "
           "on Friday.", tier="variable", version="w49", title="Canteen menu", section="This week"),
     Chunk("status-1", "service-status", "The payroll system is down for maintenance on Saturday from 08:00 to "
@@ -121,6 +124,34 @@ def test_the_question_vector_can_be_reused_for_search(index, embedder):
     question = "How do I set up the VPN on my laptop?"
     vector = embedder.encode_one(question)
     assert index.search(question, vector=vector) == index.search(question)
+
+
+@pytest.mark.integration
+def test_a_closer_chunk_of_a_newer_document_is_reported_as_a_possible_update(detector, embedder):
+    vector = embedder.encode_one("How many characters must a password have?")
+    match = detector.match(vector)
+    assert match.doc_id == "it-guide" and match.published == "2024-06-01"
+    assert match.other_published == "2025-03-01" and match.other_score > match.score and match.newer_other
+    assert not match.in_scope  # plain in-scope routing is unchanged: the router decides on the update
+    assert detector.published("it-guide") == "2024-06-01" and detector.published("hr-handbook") == ""
+    assert detector.similarity("update-1", vector) == pytest.approx(match.other_score, abs=1e-5)
+    assert detector.similarity("vpn-2", vector) is None  # cacheable chunks are not looked up this way
+    leave = detector.match(embedder.encode_one("How many days of paid annual leave do I get?"))
+    assert leave.in_scope and not leave.newer_other
+
+
+@pytest.mark.integration
+def test_an_index_of_an_earlier_version_gains_the_new_fields(opensearch_url, embedder):
+    """An index made before ``published`` existed (strict mapping) takes chunks with it after ensure_index."""
+    alias = f"it-scope-old-{uuid.uuid4().hex[:8]}"
+    with ChunkIndex(opensearch_url, alias, timeout_s=30, embedder=embedder) as index:
+        body = index_body()
+        del body["mappings"]["properties"]["published"]
+        body["aliases"] = {alias: {}}
+        index._client.indices.create(index=f"{alias}-old", body=body)
+        assert index.ensure_index() == f"{alias}-old"
+        index.upsert([CHUNKS[3]])
+        assert [chunk.published for chunk in index.scan()] == ["2024-06-01"]
 
 
 @pytest.mark.integration

@@ -2,10 +2,12 @@
 running REST API as an application asks it, and scored: key facts found (all reference keywords in an
 answer the API did not decline), declined when no document answers, wrong-document cache routing, and the
 cosine similarity of answer and reference answer under all-MiniLM (the CAG paper's "BERTScore"). The
-questions a fixed document answers are also asked on each route by itself — the cache route (``doc_id``),
-retrieval (``"route": "retrieval"``) and, for every third of them, the full prompt (document + question
-prefilled in this process with the serving engine, from the same release's snapshot text) — the CAG
-paper's comparison.
+questions a fixed document answers are also asked on each route by itself — the cache route (``doc_id``,
+``"route": "cache"``: the snapshot alone), retrieval (``"route": "retrieval"``) and, for every third of
+them, the full prompt (document + question prefilled in this process with the serving engine, from the same
+release's snapshot text) — the CAG paper's comparison. The API's own routing (``auto``) may add newer
+passages to the snapshot (cache+retrieval); the conflict questions, whose fixed fact a newer variable
+document changed, show what that buys.
 
 Figures are reported for all questions and for the held-out half (``cagflow.core.qa.halves``), the half
 that `cagflow bench routing` did not calibrate the thresholds on. ``--precisions`` instead compares the
@@ -40,6 +42,7 @@ def _scored(item: QAItem, reply: dict, seconds: float) -> dict:
     return {"answer": reply.get("answer", ""), "answered": reply.get("answered", True),
             "correct": item.is_correct(reply.get("answer", ""), reply.get("answered")),
             "route": reply.get("route"), "cache_doc_id": snapshot.get("doc_id"),
+            "ttft_s": (reply.get("timings_ms") or {}).get("ttft", 0.0) / 1000,
             "decline_reason": reply.get("decline_reason"), "seconds": seconds,
             "computed": reply.get("answer_source") in (None, "computed"), "model_answer": reply.get("model_answer")}
 
@@ -65,7 +68,7 @@ def ask_all(client, items: list[QAItem], max_new_tokens: int,
         row = {"id": item.id, "kind": item.kind, "in_scope": item.in_scope, "doc_id": item.doc_id,
                "reference": item.reference_answer}
         if item.in_scope:  # before the API's own routing, whose answer would then come from the answer cache
-            row["cache"] = ask(item, doc_id=item.doc_id)
+            row["cache"] = ask(item, doc_id=item.doc_id, route="cache")
             row["retrieval"] = ask(item, route="retrieval")
             if full_prompt is not None and fixed % FULL_PROMPT_EVERY == 0:
                 row["full"] = full_prompt(item)
@@ -117,27 +120,33 @@ def _cell(rows: list[dict], route: str) -> dict | None:
     if not asked:
         return None
     similar = [answer["similarity"] for answer in asked if "similarity" in answer]
-    computed = [answer["seconds"] for answer in asked if answer.get("computed", True)]
+    computed = [answer for answer in asked if answer.get("computed", True)]
+    ttfts = [answer["ttft_s"] for answer in computed if answer.get("ttft_s")]
+    routes: dict[str, int] = {}
+    for answer in asked:
+        routes[answer.get("route") or "error"] = routes.get(answer.get("route") or "error", 0) + 1
     return {"questions": len(asked), "correct": sum(answer["correct"] for answer in asked),
             "share": sum(answer["correct"] for answer in asked) / len(asked),
             "similarity": statistics.fmean(similar) if similar else None,
-            "p50_s": statistics.median(computed) if computed else None, "computed": len(computed),
-            "errors": sum("error" in answer for answer in asked)}
+            "p50_s": statistics.median(answer["seconds"] for answer in computed) if computed else None,
+            "p50_ttft_s": statistics.median(ttfts) if ttfts else None, "computed": len(computed),
+            "routes": routes, "errors": sum("error" in answer for answer in asked)}
 
 
 GROUPS: dict[str, Callable[[dict], bool]] = {
-    "fixed-document questions": lambda row: row["in_scope"],
+    "fixed-document questions": lambda row: row["in_scope"] and row["kind"] != "conflict",
     "  of which near misses": lambda row: row["in_scope"] and row["kind"] == "near_miss",
     "variable-document questions": lambda row: not row["in_scope"] and row["doc_id"] is not None,
     "unanswerable questions": lambda row: row["doc_id"] is None,
     "  of which near-miss identifiers": lambda row: row["kind"] == "near_miss_absent",
+    "conflicts (a newer document changed the fact)": lambda row: row["kind"] == "conflict",
 }
 
 
 def summarise(rows: list[dict]) -> dict:
     table = {group: {route: _cell([row for row in rows if keep(row)], route) for route in ROUTES}
              for group, keep in GROUPS.items()}
-    cached = [row for row in rows if row["auto"].get("route") == "cache"]
+    cached = [row for row in rows if row["auto"].get("route") in ("cache", "cache+retrieval")]
     wrong_document = [row["id"] for row in cached
                       if row["doc_id"] is not None and row["auto"]["cache_doc_id"] != row["doc_id"]]
     declines: dict[str, int] = {}

@@ -1,9 +1,10 @@
 """The KV-cache engine: precompute a document's snapshot once, answer many questions from it.
 
-Three ways to answer, all greedy and deterministic so they can be compared token for token:
+Four ways to answer, all greedy and deterministic so they can be compared token for token:
 - cache path: the snapshot's KV tensors stand in for the document, only the question is prefilled;
+- cache+retrieval: the snapshot as above, then passages of newer documents and the question, prefilled;
 - retrieval path: passages go into the prompt and everything is prefilled;
-- full prompt: the same prompt as the cache path, prefilled from scratch (the baseline).
+- full prompt: the same prompt as a cache path, prefilled from scratch (the baseline).
 A snapshot is never written to or copied: each request keeps only its own question and answer tokens'
 keys and values and attends to the snapshot's tensors in place. Two forward passes do this: the int8 engine
 (``fastlm``; ``model.precision: int8``, Llama and Qwen2 families, bf16 snapshots) and, for ``fp32``,
@@ -64,7 +65,7 @@ class DocumentPart:
 @dataclass
 class Answer:
     text: str
-    route: str  # "cache" | "retrieval" | "full" | "question-only"
+    route: str  # "cache" | "cache+retrieval" | "retrieval" | "full" | "question-only"
     prompt_tokens: int
     reused_tokens: int
     ttft_s: float
@@ -89,10 +90,11 @@ class Answer:
 
 
 def _source(snapshot: Snapshot | None, context: Sequence[Passage] | None) -> str | None:
-    """The text an answer must be grounded in: the snapshot's document or the passages."""
-    if snapshot is not None:
-        return snapshot.system_prompt
-    return passages_system(context) if context is not None else None
+    """The text an answer must be grounded in: the snapshot's document, the passages, or both."""
+    texts = [snapshot.system_prompt] if snapshot is not None else []
+    if context is not None:
+        texts.append(passages_system(context))
+    return "\n\n".join(texts) if texts else None
 
 
 def _grounded(text: str, source: str | None, question: str, **fields) -> Answer:
@@ -238,14 +240,14 @@ class Engine:
 
     def _plan(self, question: str, snapshot: Snapshot | None, context: Sequence[Passage] | None,
               reuse_cache: bool) -> tuple[str, list[int], int]:
-        """Decide the route; return (route, all prompt ids, count of leading ids the snapshot holds)."""
-        if snapshot is not None and context is not None:
-            raise ValueError("give a snapshot or a context, not both")
+        """Decide the route; return (route, all prompt ids, count of leading ids the snapshot holds). With a
+        snapshot, ``context`` holds the newer passages that follow the document (cache+retrieval)."""
         if snapshot is not None:
             self._check(snapshot)
-            prompt = self.prompts.tokenize(snapshot.system_prompt, question, snapshot.prefix_token_ids)
+            prompt = self.prompts.tokenize(snapshot.system_prompt, question, snapshot.prefix_token_ids,
+                                           updates=context or ())
             if reuse_cache:
-                return "cache", prompt.ids, prompt.prefix_len
+                return ("cache+retrieval" if context else "cache"), prompt.ids, prompt.prefix_len
             return "full", prompt.ids, 0
         if context is not None:
             return "retrieval", self.prompts.tokenize(passages_system(context), question).ids, 0
@@ -256,14 +258,16 @@ class Engine:
             raise ValueError("max_new_tokens must be at least 1")
         if len(ids) + budget > self.max_context_tokens:
             raise PromptError(f"prompt of {len(ids)} tokens + {budget} new tokens exceeds the context of "
-                              f"{self.max_context_tokens} tokens")
+                              f"{self.max_context_tokens} tokens", code="context_exceeded")
         if len(ids) - reused > self.question_budget_tokens and route == "cache":
             raise PromptError(f"question is {len(ids) - reused} tokens; the limit is {self.question_budget_tokens}")
 
     @torch.inference_mode()
-    def suffix_logits(self, question: str, snapshot: Snapshot, reuse_cache: bool = True) -> torch.Tensor:
-        """Logits at the question's positions, with or without the snapshot: the exactness check."""
-        _, ids, reused = self._plan(question, snapshot, None, reuse_cache)
+    def suffix_logits(self, question: str, snapshot: Snapshot, reuse_cache: bool = True,
+                      updates: Sequence[Passage] | None = None) -> torch.Tensor:
+        """Logits at the positions after the document (newer passages and question), with or without the
+        snapshot: the exactness check."""
+        _, ids, reused = self._plan(question, snapshot, updates, reuse_cache)
         prefix_len = len(snapshot.prefix_token_ids)
         if self.fast is not None:
             return self.fast.logits(self._fast_prefix(ids, reused, snapshot), ids[prefix_len:])

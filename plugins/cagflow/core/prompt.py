@@ -1,7 +1,9 @@
 """The prompt template: a fixed header + document block whose tokens are a true prefix of every prompt.
 
 The document (or retrieved passages) goes into the system turn; the question, followed by a short reminder
-to answer only from that text, is the user turn. The prefix is the rendered system turn alone. We tokenise
+to answer only from that text, is the user turn. On the ``cache+retrieval`` route, passages of newer
+documents that update the cached one go into the user turn ahead of the question: the system turn stays the
+snapshot's prefix, and the passages cost only their own prefill. The prefix is the rendered system turn alone. We tokenise
 the full prompt once and split it at the prefix's
 token count, then check the split really is the snapshot's prefix: tokenising prefix and question
 separately can merge tokens differently at the boundary.
@@ -24,6 +26,11 @@ _GROUNDING = ("Quote numbers, codes, names and durations exactly as written ther
 # sample questions with it and 9 without, and found nearly as many facts (55 and 56 of 59).
 QUESTION_REMINDER = ("(Answer only from the text above. If it does not answer this exact question, "
                      f"reply: {DECLINED_ANSWER})")
+# The user turn of the cache+retrieval route: newer passages first, then the question and this reminder.
+UPDATES_HEADER = ("Newer documents, published after the document above. Where they change something it says, "
+                  "they are right and the document above is out of date:")
+UPDATES_REMINDER = ("(Answer only from the texts above. Where a newer document changes a fact, give the newer fact "
+                    f"and name that document. If they do not answer this exact question, reply: {DECLINED_ANSWER})")
 DOCUMENT_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the document below. "
                         f"{_GROUNDING}")
 PASSAGES_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the numbered passages "
@@ -47,18 +54,30 @@ class Passage:
     text: str
     title: str = ""
     section: str = ""
+    published: str = ""  # ISO date of the passage's document, when known
 
 
 def document_system(title: str, body: str) -> str:
     return f"{DOCUMENT_INSTRUCTION}\n\nDocument: {title}\n\n{body}"
 
 
-def passages_system(passages: Sequence[Passage]) -> str:
+def _numbered(passages: Sequence[Passage]) -> str:
     blocks = []
     for number, passage in enumerate(passages, start=1):
         label = " — ".join(part for part in (passage.title, passage.section) if part)
+        if passage.published:
+            label = f"{label} ({passage.published})" if label else f"({passage.published})"
         blocks.append(f"[{number}] {label}\n{passage.text}" if label else f"[{number}] {passage.text}")
-    return f"{PASSAGES_INSTRUCTION}\n\n" + "\n\n".join(blocks)
+    return "\n\n".join(blocks)
+
+
+def passages_system(passages: Sequence[Passage]) -> str:
+    return f"{PASSAGES_INSTRUCTION}\n\n{_numbered(passages)}"
+
+
+def updates_text(passages: Sequence[Passage]) -> str:
+    """The newer passages of the cache+retrieval route, as they stand ahead of the question."""
+    return f"{UPDATES_HEADER}\n\n{_numbered(passages)}"
 
 
 def clean_question(question: str) -> str:
@@ -94,8 +113,11 @@ class PromptBuilder:
             return self.tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False)
         return f"{system}\n\n"
 
-    def full_text(self, system: str, question: str) -> str:
-        question = f"{clean_question(question)}\n\n{QUESTION_REMINDER}"
+    def full_text(self, system: str, question: str, updates: Sequence[Passage] = ()) -> str:
+        if updates:
+            question = f"{updates_text(updates)}\n\nQuestion: {clean_question(question)}\n\n{UPDATES_REMINDER}"
+        else:
+            question = f"{clean_question(question)}\n\n{QUESTION_REMINDER}"
         if self.chat:
             return self.tokenizer.apply_chat_template(
                 [{"role": "system", "content": system}, {"role": "user", "content": question}],
@@ -108,13 +130,14 @@ class PromptBuilder:
     def prefix_ids(self, system: str) -> list[int]:
         return self.encode(self.prefix_text(system))
 
-    def tokenize(self, system: str, question: str, prefix_ids: Sequence[int] | None = None) -> TokenizedPrompt:
+    def tokenize(self, system: str, question: str, prefix_ids: Sequence[int] | None = None,
+                 updates: Sequence[Passage] = ()) -> TokenizedPrompt:
         """Tokenise the full prompt once and split it where the prefix ends.
 
         ``prefix_ids`` (a snapshot's) must be a true prefix of the full ids, or reusing that cache would be wrong.
         """
         prefix_text = self.prefix_text(system)
-        full_text = self.full_text(system, question)
+        full_text = self.full_text(system, question, updates)
         if not full_text.startswith(prefix_text):
             raise PromptError("the chat template does not render the system turn as a prefix of the prompt")
         ids = self.encode(full_text)

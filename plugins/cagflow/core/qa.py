@@ -1,11 +1,13 @@
 """The sample question set: questions with reference answers, labelled in-scope (a fixed document
 answers them) or out-of-scope (a variable document, or nothing), and by kind: ``near_miss`` (the right
 fact sits next to a tempting wrong one), ``near_miss_absent`` (names an identifier one detail away from a
-real one, so nothing answers it) and ``unanswerable``."""
+real one, so nothing answers it), ``unanswerable``, and ``conflict`` (a newer variable document,
+``updated_by``, changed the fixed document's fact: the right answer is the newer one)."""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -22,15 +24,18 @@ class QAItem:
     in_scope: bool
     doc_id: str | None
     kind: str = "fact"
+    updated_by: str | None = None  # conflict questions: the variable document holding the newer fact
 
     @property
     def answerable(self) -> bool:
         return self.doc_id is not None
 
     def has_keywords(self, text: str) -> bool:
-        """All keywords present (case-insensitive): a coarse, honest check for short factual answers."""
+        """All keywords present (case-insensitive; a keyword that is a number only as a whole number, so "5"
+        is not found in "15" or "2025"): a coarse, honest check for short factual answers."""
         lowered = text.lower()
-        return all(keyword.lower() in lowered for keyword in self.keywords)
+        return all(re.search(rf"(?<![\d.,]){keyword}(?![\d]|[.,]\d)", lowered) if keyword.isdigit()
+                   else keyword.lower() in lowered for keyword in self.keywords)
 
     def is_correct(self, answer: str, answered: bool | None = None) -> bool:
         """Answerable: answered, with every keyword. Unanswerable: declined. ``answered`` is the answer
@@ -47,7 +52,8 @@ def load_qa(path: str | Path) -> list[QAItem]:
         try:
             raw = json.loads(line)
             items.append(QAItem(raw["id"], raw["question"], raw["reference_answer"], tuple(raw.get("keywords", ())),
-                                bool(raw["in_scope"]), raw.get("doc_id"), raw.get("kind", "fact")))
+                                bool(raw["in_scope"]), raw.get("doc_id"), raw.get("kind", "fact"),
+                                raw.get("updated_by")))
         except (ValueError, KeyError) as exc:
             raise ValueError(f"{path}:{number}: malformed QA line ({exc})") from None
     return items

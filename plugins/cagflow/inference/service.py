@@ -82,20 +82,19 @@ class Runtime:
 class AnswerRequest:
     question: str
     snapshot_key: str = ""  # a snapshot key of the active release, or a doc_id of it, or empty
-    context: tuple[Passage, ...] | None = None
+    context: tuple[Passage, ...] | None = None  # passages; with a snapshot: newer passages after the document
     max_new_tokens: int | None = None
     request_id: str = ""
 
     def __post_init__(self) -> None:
         clean_question(self.question)
-        if self.snapshot_key and self.context is not None:
-            raise InvalidRequest("give SNAPSHOT_KEY or CONTEXT, not both")
         if self.max_new_tokens is not None and not 1 <= self.max_new_tokens <= 4096:
             raise InvalidRequest(f"MAX_NEW_TOKENS must be between 1 and 4096, got {self.max_new_tokens}")
 
 
 def parse_context(text: str) -> tuple[Passage, ...]:
-    """CONTEXT is a JSON list of passages: strings, or objects with "text" and optional "title"/"section"."""
+    """CONTEXT is a JSON list of passages: strings, or objects with "text" and optional "title", "section" and
+    "published" (an ISO date)."""
     try:
         items = json.loads(text)
     except ValueError as exc:
@@ -108,10 +107,11 @@ def parse_context(text: str) -> tuple[Passage, ...]:
             item = {"text": item}
         if not isinstance(item, dict) or not isinstance(item.get("text"), str) or not item["text"].strip():
             raise InvalidRequest(f"CONTEXT passage {number} must be a string or an object with a non-empty \"text\"")
-        extra = set(item) - {"text", "title", "section"}
+        extra = set(item) - {"text", "title", "section", "published"}
         if extra:
             raise InvalidRequest(f"CONTEXT passage {number}: unknown fields {', '.join(sorted(extra))}")
-        passages.append(Passage(item["text"], str(item.get("title", "")), str(item.get("section", ""))))
+        passages.append(Passage(item["text"], str(item.get("title", "")), str(item.get("section", "")),
+                                str(item.get("published", ""))))
     return tuple(passages)
 
 
@@ -129,7 +129,7 @@ class ServedAnswer:
 
     @property
     def cache_hit(self) -> bool:
-        return self.answer.route == "cache"
+        return self.answer.route in ("cache", "cache+retrieval")
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,10 @@ class CagService:
         question and the budget. None for questions alone, which are not kept."""
         if request.snapshot_key:
             release_id = self.resident.pin().release.release_id
-            return AnswerKey.of(release_id, request.snapshot_key, request.question, self._budget(request))
+            scope = request.snapshot_key
+            if request.context is not None:
+                scope = f"{scope}+{context_digest(request.context)}"
+            return AnswerKey.of(release_id, scope, request.question, self._budget(request))
         if request.context is not None:
             return AnswerKey.of("", context_digest(request.context), request.question, self._budget(request))
         return None
@@ -268,11 +271,12 @@ class CagService:
         return self.answers.claim(self.answer_key(request))
 
     def groups(self, leading: Sequence[tuple[AnswerRequest, Claim]]) -> list[list[tuple[AnswerRequest, Claim]]]:
-        """Requests to compute together: same requested snapshot and budget. Passages and questions alone
-        are computed one by one."""
+        """Requests to compute together: same requested snapshot and budget, no passages. Passages (with a
+        snapshot or not) and questions alone are computed one by one."""
         groups: dict[tuple, list[tuple[AnswerRequest, Claim]]] = {}
         for position, (request, claim) in enumerate(leading):
-            together = (request.snapshot_key, self._budget(request)) if request.snapshot_key else (position,)
+            batched = request.snapshot_key and request.context is None
+            together = (request.snapshot_key, self._budget(request)) if batched else (position,)
             groups.setdefault(together, []).append((request, claim))
         return list(groups.values())
 

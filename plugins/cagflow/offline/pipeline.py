@@ -169,6 +169,7 @@ def parse_documents(documents: Sequence[dict]) -> list[dict]:
     parsed = []
     for document in documents:
         record = {key: document[key] for key in ("doc_id", "version", "tier", "title")}
+        record["published"] = document.get("published", "")
         try:
             sections = parse_file(document["path"], document["title"]).sections
             parsed.append({**record, "sections": [[s.heading, s.text] for s in sections], "problem": None})
@@ -190,7 +191,7 @@ def chunk_documents(parsed: Sequence[dict], config: Config | None = None) -> lis
         document = ParsedDocument(doc["title"], tuple(Section(heading, text) for heading, text in doc["sections"]))
         chunks += [chunk.to_record() for chunk in chunk_document(
             doc["doc_id"], doc["version"], doc["tier"], document, count,
-            config.retrieval.chunk_tokens, config.retrieval.chunk_overlap_tokens)]
+            config.retrieval.chunk_tokens, config.retrieval.chunk_overlap_tokens, doc.get("published", ""))]
     log.info("%d chunk(s) from %d document(s), at most %d tokens, %d overlapping", len(chunks), len(parsed),
              config.retrieval.chunk_tokens, config.retrieval.chunk_overlap_tokens)
     return chunks
@@ -251,7 +252,8 @@ def index_records(embedded: Sequence[dict]) -> list[Chunk]:
     from ..search.retrieval import Chunk
 
     return [Chunk(chunk_id=c["chunk_id"], doc_id=c["doc_id"], text=c["text"], tier=c["tier"], version=c["version"],
-                  title=c["title"], section=c["section"], embedding=decode_vector(c["embedding"]).tolist())
+                  title=c["title"], section=c["section"], published=c.get("published", ""),
+                  embedding=decode_vector(c["embedding"]).tolist())
             for c in embedded]
 
 

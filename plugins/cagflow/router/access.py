@@ -19,9 +19,10 @@ from ..errors import CagflowError
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 QUERY_FIELDS = frozenset({"question", "doc_id", "top_k", "max_new_tokens", "stream", "route"})
-# "auto": the router chooses; "retrieval": hybrid retrieval even where a snapshot could answer (to compare
+# "auto": the router chooses; "cache": a snapshot alone, never followed by newer passages (where the router
+# would take the cache route); "retrieval": hybrid retrieval even where a snapshot could answer (to compare
 # the routes, or to get passages as citations).
-ROUTES = ("auto", "retrieval")
+ROUTES = ("auto", "cache", "retrieval")
 MAX_TOP_K = 50
 MAX_NEW_TOKENS = 4096
 

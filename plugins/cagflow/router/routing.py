@@ -10,6 +10,14 @@
 
 ``"route": "retrieval"`` in the query skips steps 1 and 3 (to compare routes, or to get passages).
 
+cache+retrieval: a question on the cache route is also searched in the variable tier; passages of variable
+documents published after the fixed document (where either date is unknown: as close to the question as
+``service.in_scope_threshold``) and at least ``service.answerable_threshold`` close to the question follow
+the snapshot, cut to their sentences closest to the question (``retrieval.update_words``), so a release note
+that changed a fact of the manual is answered with the newer fact. A question whose closest chunk belongs to
+such a newer document, but whose fixed document is in scope too, takes this route rather than retrieval
+(``route_reason`` ``newer_update``). ``"route": "cache"`` asks for the snapshot alone.
+
 When the cache route fails (snapshot not in Triton's release, unreadable or corrupt, Triton error) and
 ``retrieval.fallback_enabled``, the question is answered by retrieval and ``fallback_reason`` says why.
 
@@ -24,6 +32,7 @@ The active release is re-read from the store every ``service.release_poll_s`` an
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -38,6 +47,7 @@ import numpy as np
 from ..config import Config
 from ..core.prompt import DECLINED_ANSWER
 from ..search.embeddings import Embedder, get_embedder
+from ..search.chunking import sentences
 from ..search.retrieval import ChunkIndex, RetrievalError, RetrievalUnavailable, SearchHit
 from ..search.scope import ScopeDetector
 from ..store.backends import NotFound, SnapshotStore, StoreError, open_store
@@ -55,13 +65,19 @@ QUESTION_VECTORS = 4096  # question embeddings remembered (1.5 KB each)
 class Plan:
     """Where one question goes, and why; ``vector`` is computed at most once per request."""
 
-    route: str  # "cache" | "retrieval"
-    reason: str  # "doc_id" | "in_scope" | "out_of_scope" | "doc_not_in_release" | "requested"
+    route: str  # "cache" | "cache+retrieval" | "retrieval"
+    # "doc_id" | "in_scope" | "newer_update" | "out_of_scope" | "doc_not_in_release" | "requested"
+    reason: str
     doc_id: str | None  # the snapshot's document (cache) or the only document searched (retrieval)
     scope_score: float | None = None
     best_score: float | None = None  # cosine similarity to the closest chunk of any document
     vector: np.ndarray | None = None
+    updates: list[SearchHit] = field(default_factory=list)  # newer passages after the snapshot (excerpts)
     timings_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def cached(self) -> bool:
+        return self.route in ("cache", "cache+retrieval")
 
 
 # The serving side's error codes (``cagflow.errors``) that mean the snapshot cannot be used right now.
@@ -89,7 +105,32 @@ def _milliseconds(started: float) -> float:
 
 
 def _passages(hits: list[SearchHit]) -> str:
-    return json.dumps([{"text": hit.text, "title": hit.title, "section": hit.section} for hit in hits])
+    return json.dumps([{"text": hit.text, "title": hit.title, "section": hit.section,
+                        **({"published": hit.published} if hit.published else {})} for hit in hits])
+
+
+def excerpts(hits: list[SearchHit], question: np.ndarray, sentence_vectors, max_words: int) -> list[SearchHit]:
+    """Each passage cut to its sentences closest to the question (unit vectors; ``sentence_vectors`` embeds a
+    list of texts), kept in reading order: every passage's best sentence first, then the next best of any,
+    while ``max_words`` allow. A passage's prefill is paid on every request, so it brings only what bears on
+    the question."""
+    pieces = [(number, text) for number, hit in enumerate(hits) for text in sentences(hit.text)]
+    if not pieces:
+        return hits
+    scores = sentence_vectors([text for _, text in pieces]) @ question
+    ranked = sorted(range(len(pieces)), key=lambda piece: -scores[piece])
+    best_of_each = list({pieces[piece][0]: piece for piece in reversed(ranked)}.values())
+    chosen: set[int] = set()
+    words = 0
+    for piece in [*best_of_each, *ranked]:
+        size = len(pieces[piece][1].split())
+        if piece in chosen or (chosen and words + size > max_words):
+            continue
+        chosen.add(piece)
+        words += size
+    return [dataclasses.replace(hit, text=" ".join(pieces[piece][1] for piece in sorted(chosen)
+                                                   if pieces[piece][0] == number))
+            for number, hit in enumerate(hits) if any(pieces[piece][0] == number for piece in chosen)]
 
 
 def _citations(hits: list[SearchHit]) -> list[dict[str, Any]]:
@@ -312,8 +353,48 @@ class Router:
             plan.best_score = round(match.best_score, 4)
             if match.in_scope and match.doc_id in in_release:
                 plan.route, plan.reason, plan.doc_id = "cache", "in_scope", match.doc_id
+            elif (match.doc_id in in_release and match.newer_other and match.score >= self.scope.threshold
+                  and self._updates_wanted(query)):
+                plan.route, plan.reason, plan.doc_id = "cache", "newer_update", match.doc_id
         plan.timings_ms["route"] = _milliseconds(started)
         return plan
+
+    def _updates_wanted(self, query: Query) -> bool:
+        return query.route != "cache" and self.config.retrieval.update_passages > 0
+
+    def _is_update(self, hit: SearchHit, published: str, vector: np.ndarray) -> bool:
+        """Newer than the cached document (or, with a date unknown, as close as an in-scope question) and
+        close enough to the question to answer it."""
+        similarity = self.scope.similarity(hit.chunk_id, vector)
+        if similarity is None or similarity < self.config.service.answerable_threshold:
+            return False
+        if published and hit.published:
+            return hit.published > published
+        return similarity >= self.scope.threshold
+
+    def _find_updates(self, plan: Plan, query: Query) -> None:
+        """Turn a cache plan into cache+retrieval when newer variable passages bear on the question. A plan
+        routed only for such passages (``newer_update``) goes back to retrieval when none is found; a search
+        failure leaves the snapshot alone to answer."""
+        if not self._updates_wanted(query):
+            return
+        settings = self.config.retrieval
+        vector = self._embed(plan, query.question)
+        started = time.perf_counter()
+        try:
+            hits = self.index.search(query.question, vector=vector, top_k=settings.update_passages, tier="variable")
+            published = self.scope.published(plan.doc_id)
+            found = [hit for hit in hits if self._is_update(hit, published, vector)]
+            if found:
+                plan.updates = excerpts(found, vector, self.embedder.encode, settings.update_words)
+                plan.route = "cache+retrieval"
+        except RetrievalError as exc:
+            log.warning("newer passages for %s not searched (%s): the snapshot answers alone", plan.doc_id, exc)
+        finally:
+            plan.timings_ms["updates"] = _milliseconds(started)
+            metrics.BACKEND_SECONDS.labels("opensearch").observe(plan.timings_ms["updates"] / 1000)
+        if not plan.updates and plan.reason == "newer_update":
+            plan.route, plan.reason, plan.doc_id = "retrieval", "out_of_scope", None
 
     def _search(self, plan: Plan, query: Query) -> list[SearchHit]:
         vector = self._embed(plan, query.question)
@@ -368,9 +449,23 @@ class Router:
                                   "request_id": request_id}
         if hits is None:
             inputs["snapshot_key"] = plan.doc_id
+            if plan.updates:
+                inputs["context"] = _passages(plan.updates)
         elif hits:
             inputs["context"] = _passages(hits)
         return inputs
+
+    def _cached_call(self, call, query: Query, request_id: str, plan: Plan):
+        """``call`` (infer or stream) on the snapshot; when the newer passages do not fit the model's context
+        next to the document, again without them."""
+        try:
+            return call(**self._triton_inputs(query, request_id, plan, None))
+        except TritonRejected as exc:
+            if not plan.updates or exc.reason != "context_exceeded":
+                raise
+            log.info("newer passages for %s do not fit the context: the snapshot answers alone", plan.doc_id)
+            plan.updates, plan.route = [], "cache"
+            return call(**self._triton_inputs(query, request_id, plan, None))
 
     def _body(self, query: Query, request_id: str, plan: Plan, outputs: dict[str, Any], hits: list[SearchHit] | None,
               fallback: str | None, started: float, decline_reason: str | None = None) -> dict[str, Any]:
@@ -382,6 +477,7 @@ class Router:
             citations = []
         elif hits is None:
             citations = self._cite(plan, query, model_answer) if plan.doc_id else []
+            citations += _citations(plan.updates)
         else:
             citations = _citations(hits)
         total_ms = _milliseconds(started)
@@ -394,9 +490,10 @@ class Router:
             generate_ms = ttft_ms = triton_ms
         # The model's own compute: GEN_MS, unless Triton answered faster than that; none for a kept answer.
         compute_ms = 0.0 if outputs.get("ANSWER_SOURCE") == "answer-cache" else min(generate_ms, triton_ms)
-        route = "cache" if hits is None else "retrieval"
+        route = plan.route
         timings = {"route": plan.timings_ms.get("route", 0.0), "embed": plan.timings_ms.get("embed", 0.0),
-                   "search": plan.timings_ms.get("search", 0.0), "triton": triton_ms,
+                   "search": plan.timings_ms.get("search", 0.0), "updates": plan.timings_ms.get("updates", 0.0),
+                   "triton": triton_ms,
                    "cite": plan.timings_ms.get("cite", 0.0),
                    "ttft": ttft_ms, "generate": generate_ms,
                    "overhead": round(total_ms - compute_ms, 2), "total": total_ms}
@@ -414,7 +511,7 @@ class Router:
             "answer": model_answer if answered else DECLINED_ANSWER, "answered": answered,
             "decline_reason": decline_reason, "route": route, "route_reason": plan.reason, "cache_hit": cache_hit,
             "fallback_reason": fallback, "snapshot": self._snapshot_info(outputs.get("SNAPSHOT_KEY", "")),
-            "citations": citations, "suggestions": [] if answered else _citations(hits or []),
+            "citations": citations, "suggestions": [] if answered else _citations(hits or plan.updates),
             "unsupported_figures": unsupported, "scope_score": plan.scope_score, "best_score": plan.best_score,
             "answer_source": outputs.get("ANSWER_SOURCE"), "release_id": outputs.get("RELEASE_ID") or None,
             "finish_reason": outputs.get("FINISH_REASON"), "timings_ms": timings, "request_id": request_id,
@@ -432,8 +529,8 @@ class Router:
                 raise triton_failure(error)
             raise ApiError(503, reason, f"cache route failed and retrieval fallback is off: {error}")
         metrics.FALLBACKS.labels(reason).inc()
-        plan.route = "retrieval"
-        if plan.reason == "in_scope":
+        plan.route, plan.updates = "retrieval", []
+        if plan.reason in ("in_scope", "newer_update"):
             plan.doc_id = None  # scope detection guessed the document: search everything
         return reason
 
@@ -442,10 +539,12 @@ class Router:
         plan = self.plan(query)
         fallback = None
         if plan.route == "cache":
+            self._find_updates(plan, query)
+        if plan.cached:
             metrics.CACHE_ATTEMPTS.inc()
             rpc_started = time.perf_counter()
             try:
-                outputs = self.triton.infer(**self._triton_inputs(query, request_id, plan, None))
+                outputs = self._cached_call(self.triton.infer, query, request_id, plan)
                 plan.timings_ms["triton"] = _milliseconds(rpc_started)
                 return self._body(query, request_id, plan, outputs, None, None, started)
             except (TritonUnavailable, TritonRejected) as exc:
@@ -490,9 +589,11 @@ class Router:
         hits: list[SearchHit] | None = None
         pieces: Iterator[str | dict[str, Any]] | None = None
         if plan.route == "cache":
+            self._find_updates(plan, query)
+        if plan.cached:
             metrics.CACHE_ATTEMPTS.inc()
             try:
-                pieces = self._open_stream(self._triton_inputs(query, request_id, plan, None), plan)
+                pieces = self._cached_call(lambda **inputs: self._open_stream(inputs, plan), query, request_id, plan)
             except (TritonUnavailable, TritonRejected) as exc:
                 fallback = self._cache_failed(plan, exc)
         if pieces is None:

@@ -40,6 +40,7 @@ class TextChunk:
     section: str
     text: str
     n_tokens: int
+    published: str = ""  # the document's ISO date, when the manifest gives one
 
     def to_record(self) -> dict:
         return asdict(self)
@@ -76,6 +77,11 @@ def _sentence_spans(text: str) -> list[tuple[int, int]]:
             start = gap.end()
         spans.append((start, line.end()))
     return [(start, end) for start, end in spans if text[start:end].strip()]
+
+
+def sentences(text: str) -> list[str]:
+    """The sentences of ``text`` (lines, where lines carry no sentence punctuation), stripped."""
+    return [text[start:end].strip() for start, end in _sentence_spans(text)]
 
 
 def _split_oversized(text: str, span: tuple[int, int], count: TokenCounter, max_tokens: int) -> list[tuple[int, int]]:
@@ -124,7 +130,7 @@ def _pack(text: str, spans: list[tuple[int, int]], counts: list[int], max_tokens
 
 
 def chunk_document(doc_id: str, version: str, tier: str, document: ParsedDocument, count: TokenCounter,
-                   max_tokens: int = 200, overlap_tokens: int = 40) -> list[TextChunk]:
+                   max_tokens: int = 200, overlap_tokens: int = 40, published: str = "") -> list[TextChunk]:
     """The document's chunks in reading order, numbered from 0."""
     if max_tokens < 1 or not 0 <= overlap_tokens < max_tokens:
         raise ChunkingError(f"need 0 <= overlap ({overlap_tokens}) < chunk size ({max_tokens}) tokens")
@@ -138,5 +144,5 @@ def chunk_document(doc_id: str, version: str, tier: str, document: ParsedDocumen
             texts.append((section.heading, section.text[start:end]))
     token_counts = count([text for _, text in texts]) if texts else []
     return [TextChunk(chunk_id(doc_id, version, number), doc_id, version, tier, document.title, heading, text,
-                      n_tokens)
+                      n_tokens, published)
             for number, ((heading, text), n_tokens) in enumerate(zip(texts, token_counts))]

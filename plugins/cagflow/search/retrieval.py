@@ -32,7 +32,7 @@ RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
 NEURAL_SEARCH_PLUGIN = "opensearch-neural-search"
 KNN_PLUGIN = "opensearch-knn"
 RRF_SINCE_NEURAL_SEARCH = (2, 19)
-_SOURCE_FIELDS = ["chunk_id", "doc_id", "text", "tier", "version", "title", "section"]
+_SOURCE_FIELDS = ["chunk_id", "doc_id", "text", "tier", "version", "title", "section", "published"]
 
 T = TypeVar("T")
 
@@ -69,6 +69,7 @@ class Chunk:
     version: str = ""
     title: str = ""
     section: str = ""
+    published: str = ""  # ISO date of the document, or empty
     embedding: Sequence[float] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -92,6 +93,7 @@ class SearchHit:
     title: str
     section: str
     score: float
+    published: str = ""
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,7 @@ def index_body(shards: int = 1, replicas: int = 0) -> dict[str, Any]:
                 "doc_id": {"type": "keyword"},
                 "tier": {"type": "keyword"},
                 "version": {"type": "keyword"},
+                "published": {"type": "keyword"},  # ISO dates compare as strings
                 "title": {"type": "text"},
                 "section": {"type": "text"},
                 "text": {"type": "text"},
@@ -393,10 +396,20 @@ class ChunkIndex:
         """Create the first physical index behind the alias unless the alias exists; return its index."""
         targets = self._alias_targets()
         if targets:
+            self._add_new_fields(targets[-1])
             return targets[-1]
         if self._call("check index", self._client.indices.exists, index=self.alias):
             raise RetrievalError(f"'{self.alias}' is a concrete index, not an alias; delete it or pick another name")
         return self._create_physical_index(with_alias=True)
+
+    def _add_new_fields(self, index: str) -> None:
+        """An index made by an earlier version lacks fields added since (its mapping is strict): add them,
+        so upserts keep working without a rebuild."""
+        mapping = self._call("read mapping", self._client.indices.get_mapping, index=index)
+        known = mapping[index]["mappings"].get("properties", {})
+        missing = {name: spec for name, spec in index_body()["mappings"]["properties"].items() if name not in known}
+        if missing:
+            self._call("add fields", self._client.indices.put_mapping, index=index, body={"properties": missing})
 
     def rebuild(self, chunks: Iterable[Chunk]) -> str:
         """Load all chunks into a fresh index, then switch the alias to it in one atomic step."""
@@ -432,7 +445,7 @@ class ChunkIndex:
                 lines.append({
                     "chunk_id": chunk.chunk_id, "doc_id": chunk.doc_id, "text": chunk.text, "tier": chunk.tier,
                     "version": chunk.version, "title": chunk.title, "section": chunk.section,
-                    "embedding": [float(value) for value in vector],
+                    "published": chunk.published, "embedding": [float(value) for value in vector],
                 })
             response = self._call("bulk index", self._client.bulk, body=lines)
             if response.get("errors"):
@@ -470,7 +483,7 @@ class ChunkIndex:
                 source = raw["_source"]
                 yield Chunk(source["chunk_id"], source["doc_id"], source["text"], source["tier"],
                             source.get("version", ""), source.get("title", ""), source.get("section", ""),
-                            embedding=source["embedding"])
+                            source.get("published", ""), embedding=source["embedding"])
             if len(hits) < page_size:
                 return
             body["search_after"] = hits[-1]["sort"]
@@ -568,5 +581,5 @@ def _hit(raw: Mapping[str, Any], score: float) -> SearchHit:
     return SearchHit(
         chunk_id=source["chunk_id"], doc_id=source["doc_id"], text=source["text"], tier=source["tier"],
         version=source.get("version", ""), title=source.get("title", ""), section=source.get("section", ""),
-        score=float(score),
+        score=float(score), published=source.get("published", ""),
     )

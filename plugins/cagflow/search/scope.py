@@ -14,6 +14,9 @@ at least ``MIN_PRECISION``; if none reaches that precision, the one with the bes
 first because a question wrongly sent to a snapshot is answered from the wrong document, while an
 in-scope question sent to retrieval is still answered from the right passages, only more slowly.
 The vectors of variable documents change with every ingest: refresh the detector after one.
+
+A closer chunk of a document published after the matched fixed one (``ScopeMatch.newer_other``) may be an
+update of it: the router then tries the cache+retrieval route rather than plain retrieval.
 """
 
 from __future__ import annotations
@@ -41,6 +44,13 @@ class ScopeMatch:
     score: float  # cosine similarity to that chunk
     in_scope: bool
     other_score: float = NO_MATCH_SCORE  # cosine similarity to the closest chunk that is not cacheable
+    published: str = ""  # ISO date of the matched fixed document, when known
+    other_published: str = ""  # ISO date of the closest other chunk's document, when known
+
+    @property
+    def newer_other(self) -> bool:
+        """The closest other chunk comes from a document published after the matched fixed document."""
+        return bool(self.published and self.other_published and self.other_published > self.published)
 
     @property
     def best_score(self) -> float:
@@ -88,9 +98,11 @@ class _Vectors:
     cacheable: np.ndarray
     cacheable_chunks: list[Chunk]  # without their embeddings, row for row with ``cacheable``
     others: np.ndarray
+    other_chunks: list[Chunk]  # likewise for ``others``
+    other_rows: dict[str, int]  # chunk_id -> row of ``others``
 
 
-_NO_VECTORS = _Vectors(_matrix([]), [], _matrix([]))
+_NO_VECTORS = _Vectors(_matrix([]), [], _matrix([]), [], {})
 
 
 class ScopeDetector:
@@ -122,24 +134,41 @@ class ScopeDetector:
         Returns the number of cacheable chunks; matching uses the previous set until the new one is whole."""
         release = None if doc_ids is None else set(doc_ids)
         with self._refresh_lock:
-            cacheable, chunks, others = [], [], []
+            cacheable, chunks, others, other_chunks = [], [], [], []
             for chunk in self.index.scan():
                 if chunk.tier == "fixed" and (release is None or chunk.doc_id in release):
                     cacheable.append(chunk.embedding)
                     chunks.append(replace(chunk, embedding=None))
                 else:
                     others.append(chunk.embedding)
-            self._vectors = _Vectors(_matrix(cacheable), chunks, _matrix(others))  # one assignment: atomic swap
+                    other_chunks.append(replace(chunk, embedding=None))
+            rows = {chunk.chunk_id: row for row, chunk in enumerate(other_chunks)}
+            self._vectors = _Vectors(_matrix(cacheable), chunks, _matrix(others), other_chunks,
+                                     rows)  # one assignment: atomic swap
             return len(chunks)
 
     def match(self, vector: Sequence[float] | np.ndarray) -> ScopeMatch:
         held = self._vectors
         question = _unit_rows(np.asarray(vector, dtype=np.float32))
         best, score = _best(held.cacheable, question)
-        _, other_score = _best(held.others, question)
-        doc_id = held.cacheable_chunks[best].doc_id if best >= 0 else None
-        match = ScopeMatch(doc_id=doc_id, score=score, in_scope=False, other_score=other_score)
+        other, other_score = _best(held.others, question)
+        chunk = held.cacheable_chunks[best] if best >= 0 else None
+        match = ScopeMatch(doc_id=chunk.doc_id if chunk else None, score=score, in_scope=False,
+                           other_score=other_score, published=chunk.published if chunk else "",
+                           other_published=held.other_chunks[other].published if other >= 0 else "")
         return replace(match, in_scope=match.routes_to_cache(self.threshold))
+
+    def published(self, doc_id: str) -> str:
+        """The ISO date of a cacheable document, or empty when unknown."""
+        return next((chunk.published for chunk in self._vectors.cacheable_chunks if chunk.doc_id == doc_id), "")
+
+    def similarity(self, chunk_id: str, vector: Sequence[float] | np.ndarray) -> float | None:
+        """Cosine similarity of ``vector`` to a chunk that is not cacheable, or None when it is not held."""
+        held = self._vectors
+        row = held.other_rows.get(chunk_id)
+        if row is None:
+            return None
+        return float(held.others[row] @ _unit_rows(np.asarray(vector, dtype=np.float32)))
 
     def cite(self, doc_id: str, vector: Sequence[float] | np.ndarray) -> Citation | None:
         """The chunk of ``doc_id`` closest to ``vector`` (the embedding of question and answer together), or

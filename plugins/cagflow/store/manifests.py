@@ -6,6 +6,8 @@ active one and is the only object ever overwritten, so rolling back is re-pointi
 
 from __future__ import annotations
 
+import datetime
+
 import hashlib
 import json
 import time
@@ -49,11 +51,26 @@ class DocumentEntry(BaseModel):
     tier: Literal["fixed", "variable"]
     title: str = Field(min_length=1)
     path: str = Field(min_length=1)
+    # The day this version took effect (ISO date). A variable document published after a fixed one may
+    # update it: such passages follow the fixed document's snapshot on the cache+retrieval route.
+    published: str = ""
 
     @field_validator("doc_id")
     @classmethod
     def _doc_id(cls, value: str) -> str:
         return validate_doc_id(value)
+
+    @field_validator("published", mode="before")
+    @classmethod
+    def _published(cls, value: object) -> str:
+        if value is None or value == "":
+            return ""
+        if isinstance(value, datetime.date):
+            return value.isoformat()[:10]
+        try:
+            return datetime.date.fromisoformat(str(value)).isoformat()
+        except ValueError:
+            raise ValueError(f"published must be an ISO date like 2025-03-01, got {value!r}") from None
 
     @field_validator("version", mode="before")
     @classmethod

@@ -44,6 +44,39 @@ def test_cache_path_is_exact_after_store_round_trip(small_parts, tmp_path):
             assert via_full.reused_tokens == 0 and via_cache.prompt_tokens == via_full.prompt_tokens
 
 
+UPDATES = (Passage("The web console now listens on port 9443 instead of 8443.", "Skerry 5.4.0 Release Notes",
+                  "Changes", "2025-03-10"), Passage("Backups are now kept for 60 days."))
+
+
+def test_cache_with_newer_passages_is_exact_against_the_full_prompt(small_parts):
+    engine, parts = small_parts
+    snapshot = engine.precompute(parts[0])
+    for question in QUESTIONS[:2]:
+        via_cache = engine.answer(question, snapshot=snapshot, context=UPDATES)
+        via_full = engine.answer(question, snapshot=snapshot, context=UPDATES, reuse_cache=False)
+        assert via_cache.route == "cache+retrieval" and via_full.route == "full"
+        assert via_cache.token_ids == via_full.token_ids
+        assert via_cache.reused_tokens == snapshot.n_tokens and via_cache.prompt_tokens == via_full.prompt_tokens
+        plain = engine.answer(question, snapshot=snapshot)
+        assert via_cache.prompt_tokens > plain.prompt_tokens  # the passages are part of the suffix
+        streamed = list(engine.stream(question, snapshot=snapshot, context=UPDATES))
+        assert streamed[-1].token_ids == via_full.token_ids
+        cached = engine.suffix_logits(question, snapshot, updates=UPDATES)
+        full = engine.suffix_logits(question, snapshot, reuse_cache=False, updates=UPDATES)
+        assert cached.shape[0] == via_cache.prompt_tokens - snapshot.n_tokens
+        assert torch.allclose(cached, full, atol=1e-4), (question, (cached - full).abs().max())
+
+
+def test_newer_passages_stand_between_the_document_and_the_question(small_parts):
+    engine, parts = small_parts
+    snapshot = engine.precompute(parts[0])
+    _, ids, reused = engine._plan(QUESTIONS[0], snapshot, UPDATES, True)
+    suffix = engine.tokenizer.decode(ids[reused:])
+    assert ids[:reused] == snapshot.prefix_token_ids
+    assert "Skerry 5.4.0 Release Notes — Changes (2025-03-10)" in suffix
+    assert suffix.index("9443") < suffix.index(QUESTIONS[0]) < suffix.index("give the newer fact")
+
+
 def test_answering_never_mutates_a_shared_snapshot(small_parts):
     engine, parts = small_parts
     snapshot = engine.precompute(parts[0])

@@ -82,8 +82,8 @@ def test_a_valid_query_parses_with_defaults():
     ({"question": "q", "max_new_tokens": "8"}, "max_new_tokens must be an integer"),
     ({"question": "q", "stream": "yes"}, "stream must be true or false"),
     ({"question": "q", "stream": 1}, "stream must be true or false"),
-    ({"question": "q", "route": "cache"}, "route must be one of auto, retrieval"),
-    ({"question": "q", "route": None}, "route must be one of auto, retrieval"),
+    ({"question": "q", "route": "cache+retrieval"}, "route must be one of auto, cache, retrieval"),
+    ({"question": "q", "route": None}, "route must be one of auto, cache, retrieval"),
 ])
 def test_malformed_queries_are_400_with_a_message_that_says_what_is_wrong(body, fragment):
     with pytest.raises(ApiError) as caught:
