@@ -46,6 +46,10 @@ class ServiceConfig(_Section):
     # Below this cosine similarity to every chunk, retrieval declines without asking the model
     # (cagflow.search.scope; `cagflow bench routing` calibrates it on half of the sample questions).
     answerable_threshold: float = Field(0.282, ge=-1.0, le=1.0)
+    # cache+retrieval: a newer passage joins a snapshot when it is at most this much less similar to the
+    # question than the document's closest chunk (and at least answerable_threshold). Larger: more
+    # questions pay the passages' prefill for little. See README "REST API".
+    update_margin: float = Field(0.1, ge=0.0, le=2.0)
     api_keys_file: str = str(CACHE_HOME / "api-keys.json")  # hashed keys only, never the keys themselves
     rate_limit_per_s: float = Field(5.0, gt=0)  # per API key, token bucket refill
     rate_limit_burst: int = Field(20, ge=1)
@@ -90,7 +94,7 @@ class RetrievalConfig(_Section):
     # snapshot (0 = never; see README "Routes"), cut to their sentences closest to the question, this many
     # words in all: every word is prefilled per request.
     update_passages: int = Field(2, ge=0, le=10)
-    update_words: int = Field(90, ge=10, le=2000)
+    update_words: int = Field(40, ge=10, le=2000)
 
     @field_validator("chunk_overlap_tokens")
     @classmethod

@@ -183,6 +183,8 @@ def through_api(config: Config, args: argparse.Namespace) -> int:
         return 2
     url = client.base_url
     items = load_qa(Path(config.corpus.manifest).parent / "qa.jsonl")
+    if args.kind:
+        items = [item for item in items if item.kind in args.kind]
     if args.limit:
         items = items[:args.limit]
     print(f"loading {config.model.path} here for the full-prompt route...", file=sys.stderr, flush=True)

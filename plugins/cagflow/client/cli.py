@@ -366,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--precisions", action="store_true",
                         help="bench answers: compare int8 and fp32 answers from snapshots in this process")
     engine.add_argument("--limit", type=int, help="bench answers: ask only the first N sample questions")
+    engine.add_argument("--kind", action="append", help="bench answers: ask only questions of this kind (fact, "
+                        "near_miss, near_miss_absent, unanswerable, conflict; repeatable)")
     bench.set_defaults(run=cmd_bench)
 
     for service in SERVICES:

@@ -102,7 +102,7 @@ def _print_summary(items: list[QAItem], replies: list[dict], errors: int) -> Non
               f"p95 {percentile(totals, 0.95):.0f} ms{ttft}{overhead}")
     hits = sum(bool(reply.get("cache_hit")) for reply in replies)
     in_scope = [reply for item, reply in zip(items, replies) if item.in_scope]
-    routed = sum(reply.get("route") == "cache" for reply in in_scope)
+    routed = sum(reply.get("route") in ("cache", "cache+retrieval") for reply in in_scope)
     print(f"  cache hit rate {hits}/{len(replies)} ({hits / len(replies):.0%}); "
           f"fixed-document questions routed to the cache {routed}/{len(in_scope)}")
 

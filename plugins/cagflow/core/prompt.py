@@ -27,10 +27,9 @@ _GROUNDING = ("Quote numbers, codes, names and durations exactly as written ther
 QUESTION_REMINDER = ("(Answer only from the text above. If it does not answer this exact question, "
                      f"reply: {DECLINED_ANSWER})")
 # The user turn of the cache+retrieval route: newer passages first, then the question and this reminder.
-UPDATES_HEADER = ("Newer documents, published after the document above. Where they change something it says, "
-                  "they are right and the document above is out of date:")
-UPDATES_REMINDER = ("(Answer only from the texts above. Where a newer document changes a fact, give the newer fact "
-                    f"and name that document. If they do not answer this exact question, reply: {DECLINED_ANSWER})")
+# Every token of it is prefilled per request, so it is as short as a plain reminder plus the passages.
+UPDATES_REMINDER = ("(Answer only from the texts above; where a newer text differs from the document, it is right. "
+                    f"If they do not answer this exact question, reply: {DECLINED_ANSWER})")
 DOCUMENT_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the document below. "
                         f"{_GROUNDING}")
 PASSAGES_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the numbered passages "
@@ -77,7 +76,8 @@ def passages_system(passages: Sequence[Passage]) -> str:
 
 def updates_text(passages: Sequence[Passage]) -> str:
     """The newer passages of the cache+retrieval route, as they stand ahead of the question."""
-    return f"{UPDATES_HEADER}\n\n{_numbered(passages)}"
+    return "\n\n".join(f"[Newer: {', '.join(part for part in (passage.title, passage.published) if part)}] "
+                         f"{passage.text}" for passage in passages)
 
 
 def clean_question(question: str) -> str:
@@ -115,7 +115,7 @@ class PromptBuilder:
 
     def full_text(self, system: str, question: str, updates: Sequence[Passage] = ()) -> str:
         if updates:
-            question = f"{updates_text(updates)}\n\nQuestion: {clean_question(question)}\n\n{UPDATES_REMINDER}"
+            question = f"{updates_text(updates)}\n\n{clean_question(question)}\n\n{UPDATES_REMINDER}"
         else:
             question = f"{clean_question(question)}\n\n{QUESTION_REMINDER}"
         if self.chat:

@@ -11,10 +11,11 @@
 ``"route": "retrieval"`` in the query skips steps 1 and 3 (to compare routes, or to get passages).
 
 cache+retrieval: a question on the cache route is also searched in the variable tier; passages of variable
-documents published after the fixed document (where either date is unknown: as close to the question as
-``service.in_scope_threshold``) and at least ``service.answerable_threshold`` close to the question follow
-the snapshot, cut to their sentences closest to the question (``retrieval.update_words``), so a release note
-that changed a fact of the manual is answered with the newer fact. A question whose closest chunk belongs to
+documents published after the fixed document (where either date is unknown: passages at least as close to
+the question as the document) that are close to the question — at least ``service.answerable_threshold``
+and at most ``service.update_margin`` below the document's closest chunk — follow the snapshot, cut to their
+sentences closest to the question (``retrieval.update_words``), so a release note that changed a fact of
+the manual is answered with the newer fact. A question whose closest chunk belongs to
 such a newer document, but whose fixed document is in scope too, takes this route rather than retrieval
 (``route_reason`` ``newer_update``). ``"route": "cache"`` asks for the snapshot alone.
 
@@ -114,7 +115,7 @@ def excerpts(hits: list[SearchHit], question: np.ndarray, sentence_vectors, max_
     list of texts), kept in reading order: every passage's best sentence first, then the next best of any,
     while ``max_words`` allow. A passage's prefill is paid on every request, so it brings only what bears on
     the question."""
-    pieces = [(number, text) for number, hit in enumerate(hits) for text in sentences(hit.text)]
+    pieces = [(number, text) for number, hit in enumerate(hits) for text in sentences(hit.text, min_words=8)]
     if not pieces:
         return hits
     scores = sentence_vectors([text for _, text in pieces]) @ question
@@ -362,15 +363,18 @@ class Router:
     def _updates_wanted(self, query: Query) -> bool:
         return query.route != "cache" and self.config.retrieval.update_passages > 0
 
-    def _is_update(self, hit: SearchHit, published: str, vector: np.ndarray) -> bool:
-        """Newer than the cached document (or, with a date unknown, as close as an in-scope question) and
-        close enough to the question to answer it."""
+    def _is_update(self, hit: SearchHit, published: str, document_similarity: float, vector: np.ndarray) -> bool:
+        """Newer than the cached document (with a date unknown: at least as close to the question as the
+        document) and about as close to the question as the document: a passage only loosely related costs
+        its prefill and distracts the model."""
+        service = self.config.service
         similarity = self.scope.similarity(hit.chunk_id, vector)
-        if similarity is None or similarity < self.config.service.answerable_threshold:
+        if similarity is None or similarity < max(service.answerable_threshold,
+                                                  document_similarity - service.update_margin):
             return False
         if published and hit.published:
             return hit.published > published
-        return similarity >= self.scope.threshold
+        return similarity >= document_similarity
 
     def _find_updates(self, plan: Plan, query: Query) -> None:
         """Turn a cache plan into cache+retrieval when newer variable passages bear on the question. A plan
@@ -384,7 +388,9 @@ class Router:
         try:
             hits = self.index.search(query.question, vector=vector, top_k=settings.update_passages, tier="variable")
             published = self.scope.published(plan.doc_id)
-            found = [hit for hit in hits if self._is_update(hit, published, vector)]
+            closest = self.scope.cite(plan.doc_id, vector)  # the document's chunk closest to the question
+            document_similarity = closest.score if closest is not None else -1.0
+            found = [hit for hit in hits if self._is_update(hit, published, document_similarity, vector)]
             if found:
                 plan.updates = excerpts(found, vector, self.embedder.encode, settings.update_words)
                 plan.route = "cache+retrieval"

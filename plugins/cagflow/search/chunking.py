@@ -79,9 +79,19 @@ def _sentence_spans(text: str) -> list[tuple[int, int]]:
     return [(start, end) for start, end in spans if text[start:end].strip()]
 
 
-def sentences(text: str) -> list[str]:
-    """The sentences of ``text`` (lines, where lines carry no sentence punctuation), stripped."""
-    return [text[start:end].strip() for start, end in _sentence_spans(text)]
+def sentences(text: str, min_words: int = 1) -> list[str]:
+    """The sentences of ``text`` (lines, where lines carry no sentence punctuation), stripped; a sentence of
+    fewer than ``min_words`` words (a bold lead-in such as "**Longer-lived codes.**") is joined to the next
+    one on its line."""
+    found: list[str] = []
+    short_end = -1  # end offset of a pending short sentence, or -1
+    for start, end in _sentence_spans(text):
+        if short_end >= 0 and "\n" not in text[short_end:start]:
+            found[-1] = f"{found[-1]} {text[start:end].strip()}"
+        else:
+            found.append(text[start:end].strip())
+        short_end = end if len(found[-1].split()) < min_words else -1
+    return found
 
 
 def _split_oversized(text: str, span: tuple[int, int], count: TokenCounter, max_tokens: int) -> list[tuple[int, int]]:

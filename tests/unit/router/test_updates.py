@@ -35,11 +35,19 @@ def test_each_passage_keeps_its_sentences_closest_to_the_question_in_reading_ord
     question = bag_of_words(["enrollment enrollment"])[0]
     cut = excerpts([NOTES, MQTT], question, bag_of_words, max_words=30)
     assert [h.chunk_id for h in cut] == ["n:0", "n:1"]  # every passage keeps at least its best sentence
-    assert cut[0].text == ("Enrollment codes now expire after 24 hours instead of 60 minutes. Codes remain "
-                           "single-use for enrollment.")
-    assert cut[1].text == "The default MQTT rate limit is now 100 messages per second."
-    assert sum(len(h.text.split()) for h in cut) == 27  # any further sentence would pass the 30 words
+    assert cut[0].text == "Enrollment codes now expire after 24 hours instead of 60 minutes."
+    # "Codes remain single-use for enrollment." is short: joined to the next sentence, it scores lower
+    assert cut[1].text == ("The default MQTT rate limit is now 100 messages per second. Messages above the mqtt "
+                           "limit are dropped.")
+    assert sum(len(h.text.split()) for h in cut) == 29  # any further sentence would pass the 30 words
     assert cut[0].published == "2025-03-10" and cut[0].title == NOTES.title  # only the text is cut
+
+
+def test_a_short_lead_in_is_never_cut_off_from_its_sentence():
+    lead_in = hit("n:2", "- **Longer-lived enrollment codes.** Enrollment codes now expire after 24 hours.\n- **Folders.** "
+                         "Sources can be grouped.")
+    cut = excerpts([lead_in], bag_of_words(["enrollment"])[0], bag_of_words, max_words=5)
+    assert cut[0].text == "- **Longer-lived enrollment codes.** Enrollment codes now expire after 24 hours."
 
 
 def test_a_generous_budget_keeps_whole_passages():
