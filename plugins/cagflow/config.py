@@ -94,7 +94,7 @@ class RetrievalConfig(_Section):
     # snapshot (0 = never; see README "Routes"), cut to their sentences closest to the question, this many
     # words in all: every word is prefilled per request.
     update_passages: int = Field(2, ge=0, le=10)
-    update_words: int = Field(40, ge=10, le=2000)
+    update_words: int = Field(25, ge=5, le=2000)
 
     @field_validator("chunk_overlap_tokens")
     @classmethod

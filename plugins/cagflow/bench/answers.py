@@ -223,7 +223,7 @@ def answer_from_snapshots(engine, manifest: Path, qa_path: Path) -> list[dict]:
     from ..store.manifests import CorpusManifest
 
     corpus = CorpusManifest.load(manifest)
-    items = [item for item in load_qa(qa_path) if item.in_scope]
+    items = [item for item in load_qa(qa_path) if item.in_scope and item.kind != "conflict"]  # the document answers
     snapshots = {}
     for document in corpus.tier("fixed"):
         parts = engine.split(document.doc_id, document.version, parse_file(corpus.file(document), document.title))

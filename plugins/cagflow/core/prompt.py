@@ -28,8 +28,8 @@ QUESTION_REMINDER = ("(Answer only from the text above. If it does not answer th
                      f"reply: {DECLINED_ANSWER})")
 # The user turn of the cache+retrieval route: newer passages first, then the question and this reminder.
 # Every token of it is prefilled per request, so it is as short as a plain reminder plus the passages.
-UPDATES_REMINDER = ("(Answer only from the texts above; where a newer text differs from the document, it is right. "
-                    f"If they do not answer this exact question, reply: {DECLINED_ANSWER})")
+UPDATES_REMINDER = ("(Answer only from the texts above; a newer text overrides the document: name it. If they do not "
+                    f"answer this exact question, reply: {DECLINED_ANSWER})")
 DOCUMENT_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the document below. "
                         f"{_GROUNDING}")
 PASSAGES_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the numbered passages "

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import re
 import json
 import logging
 import threading
@@ -110,12 +111,27 @@ def _passages(hits: list[SearchHit]) -> str:
                         **({"published": hit.published} if hit.published else {})} for hit in hits])
 
 
+_MARKUP = re.compile(r"\*\*|__|`|^\s*[-*]\s+", re.MULTILINE)
+# Where a sentence may be cut: before a clause that explains or adds to the fact.
+_CLAUSE = re.compile(r"(?<=[,;])\s+(?=(?:so|which|because|while|but|and then)\b)|(?<=;)\s+")
+
+
+def _units(text: str) -> list[str]:
+    """Sentences without markup (a short lead-in joined to its sentence), cut before their explaining
+    clauses ("…, so a code can be handed over the day before"): the fact stays, the reason may go."""
+    units = []
+    for sentence in sentences(_MARKUP.sub("", text), min_words=8):
+        clauses = _CLAUSE.split(sentence)
+        units += [clause.rstrip(",;") + ("." if clause is not clauses[-1] else "") for clause in clauses]
+    return units
+
+
 def excerpts(hits: list[SearchHit], question: np.ndarray, sentence_vectors, max_words: int) -> list[SearchHit]:
-    """Each passage cut to its sentences closest to the question (unit vectors; ``sentence_vectors`` embeds a
-    list of texts), kept in reading order: every passage's best sentence first, then the next best of any,
-    while ``max_words`` allow. A passage's prefill is paid on every request, so it brings only what bears on
-    the question."""
-    pieces = [(number, text) for number, hit in enumerate(hits) for text in sentences(hit.text, min_words=8)]
+    """Each passage cut to its sentences (or clauses) closest to the question (unit vectors;
+    ``sentence_vectors`` embeds a list of texts), kept in reading order: every passage's best one first, then
+    the next best of any, while ``max_words`` allow. A passage's prefill is paid on every request, so it
+    brings only what bears on the question."""
+    pieces = [(number, text) for number, hit in enumerate(hits) for text in _units(hit.text)]
     if not pieces:
         return hits
     scores = sentence_vectors([text for _, text in pieces]) @ question

@@ -43,11 +43,12 @@ def test_each_passage_keeps_its_sentences_closest_to_the_question_in_reading_ord
     assert cut[0].published == "2025-03-10" and cut[0].title == NOTES.title  # only the text is cut
 
 
-def test_a_short_lead_in_is_never_cut_off_from_its_sentence():
-    lead_in = hit("n:2", "- **Longer-lived enrollment codes.** Enrollment codes now expire after 24 hours.\n- **Folders.** "
-                         "Sources can be grouped.")
-    cut = excerpts([lead_in], bag_of_words(["enrollment"])[0], bag_of_words, max_words=5)
-    assert cut[0].text == "- **Longer-lived enrollment codes.** Enrollment codes now expire after 24 hours."
+def test_a_lead_in_stays_with_its_sentence_and_markup_and_explaining_clauses_go():
+    notes = hit("n:2", "- **Longer-lived enrollment codes.** Enrollment codes now expire after 24 hours instead of 60 "
+                       "minutes, so a code can be handed over the day before.\n- **Folders.** Sources can be grouped.")
+    cut = excerpts([notes], bag_of_words(["enrollment"])[0], bag_of_words, max_words=5)
+    assert cut[0].text == ("Longer-lived enrollment codes. Enrollment codes now expire after 24 hours instead of 60 "
+                           "minutes.")
 
 
 def test_a_generous_budget_keeps_whole_passages():
