@@ -28,8 +28,8 @@ QUESTION_REMINDER = ("(Answer only from the text above. If it does not answer th
                      f"reply: {DECLINED_ANSWER})")
 # The user turn of the cache+retrieval route: newer passages first, then the question and this reminder.
 # Every token of it is prefilled per request, so it is as short as a plain reminder plus the passages.
-UPDATES_REMINDER = ("(Answer only from the texts above; a newer text overrides the document: name it. If they do not "
-                    f"answer this exact question, reply: {DECLINED_ANSWER})")
+UPDATES_REMINDER = ("(Answer only from the texts above; a newer text overrides the document. If they do not answer "
+                    f"this exact question, reply: {DECLINED_ANSWER})")
 DOCUMENT_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the document below. "
                         f"{_GROUNDING}")
 PASSAGES_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the numbered passages "
@@ -75,9 +75,10 @@ def passages_system(passages: Sequence[Passage]) -> str:
 
 
 def updates_text(passages: Sequence[Passage]) -> str:
-    """The newer passages of the cache+retrieval route, as they stand ahead of the question."""
-    return "\n\n".join(f"[Newer: {', '.join(part for part in (passage.title, passage.published) if part)}] "
-                         f"{passage.text}" for passage in passages)
+    """The newer passages of the cache+retrieval route, as they stand ahead of the question: dated, without
+    titles (the answer record cites them; here every token is prefilled per request)."""
+    return "\n\n".join(f"[Newer text{f', {passage.published}' if passage.published else ''}] {passage.text}"
+                         for passage in passages)
 
 
 def clean_question(question: str) -> str:

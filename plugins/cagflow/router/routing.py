@@ -111,14 +111,16 @@ def _passages(hits: list[SearchHit]) -> str:
                         **({"published": hit.published} if hit.published else {})} for hit in hits])
 
 
-_MARKUP = re.compile(r"\*\*|__|`|^\s*[-*]\s+", re.MULTILINE)
+# Markup, and a list item's bold title sentence ("- **Longer-lived codes.** Codes now expire…": the sentence
+# says it; a bold identifier such as "**E-407** —" stays).
+_MARKUP = re.compile(r"^\s*[-*]\s+(?:\*\*[^*\n]{1,80}\.\*\*\s*)?|\*\*|__|`", re.MULTILINE)
 # Where a sentence may be cut: before a clause that explains or adds to the fact.
 _CLAUSE = re.compile(r"(?<=[,;])\s+(?=(?:so|which|because|while|but|and then)\b)|(?<=;)\s+")
 
 
 def _units(text: str) -> list[str]:
-    """Sentences without markup (a short lead-in joined to its sentence), cut before their explaining
-    clauses ("…, so a code can be handed over the day before"): the fact stays, the reason may go."""
+    """Sentences without markup or title lead-ins (another short one joined to the next), cut before their
+    explaining clauses ("…, so a code can be handed over the day before"): the fact stays, the reason may go."""
     units = []
     for sentence in sentences(_MARKUP.sub("", text), min_words=8):
         clauses = _CLAUSE.split(sentence)
@@ -126,20 +128,22 @@ def _units(text: str) -> list[str]:
     return units
 
 
-def excerpts(hits: list[SearchHit], question: np.ndarray, sentence_vectors, max_words: int) -> list[SearchHit]:
+def excerpts(hits: list[SearchHit], question: np.ndarray, sentence_vectors, max_words: int,
+             min_similarity: float = -1.0) -> list[SearchHit]:
     """Each passage cut to its sentences (or clauses) closest to the question (unit vectors;
     ``sentence_vectors`` embeds a list of texts), kept in reading order: every passage's best one first, then
-    the next best of any, while ``max_words`` allow. A passage's prefill is paid on every request, so it
-    brings only what bears on the question."""
+    the next best of any that is at least ``min_similarity`` close, while ``max_words`` allow. A passage's
+    prefill is paid on every request, so it brings only what bears on the question."""
     pieces = [(number, text) for number, hit in enumerate(hits) for text in _units(hit.text)]
     if not pieces:
         return hits
     scores = sentence_vectors([text for _, text in pieces]) @ question
     ranked = sorted(range(len(pieces)), key=lambda piece: -scores[piece])
-    best_of_each = list({pieces[piece][0]: piece for piece in reversed(ranked)}.values())
+    best_of_each = sorted({pieces[piece][0]: piece for piece in reversed(ranked)}.values(), key=lambda p: -scores[p])
     chosen: set[int] = set()
     words = 0
-    for piece in [*best_of_each, *ranked]:
+    further = [piece for piece in ranked if scores[piece] >= min_similarity]
+    for piece in [*best_of_each, *further]:
         size = len(pieces[piece][1].split())
         if piece in chosen or (chosen and words + size > max_words):
             continue
@@ -408,7 +412,8 @@ class Router:
             document_similarity = closest.score if closest is not None else -1.0
             found = [hit for hit in hits if self._is_update(hit, published, document_similarity, vector)]
             if found:
-                plan.updates = excerpts(found, vector, self.embedder.encode, settings.update_words)
+                plan.updates = excerpts(found, vector, self.embedder.encode, settings.update_words,
+                                        self.config.service.answerable_threshold)
                 plan.route = "cache+retrieval"
         except RetrievalError as exc:
             log.warning("newer passages for %s not searched (%s): the snapshot answers alone", plan.doc_id, exc)

@@ -43,12 +43,18 @@ def test_each_passage_keeps_its_sentences_closest_to_the_question_in_reading_ord
     assert cut[0].published == "2025-03-10" and cut[0].title == NOTES.title  # only the text is cut
 
 
-def test_a_lead_in_stays_with_its_sentence_and_markup_and_explaining_clauses_go():
+def test_markup_a_bold_lead_in_and_explaining_clauses_go():
     notes = hit("n:2", "- **Longer-lived enrollment codes.** Enrollment codes now expire after 24 hours instead of 60 "
                        "minutes, so a code can be handed over the day before.\n- **Folders.** Sources can be grouped.")
     cut = excerpts([notes], bag_of_words(["enrollment"])[0], bag_of_words, max_words=5)
-    assert cut[0].text == ("Longer-lived enrollment codes. Enrollment codes now expire after 24 hours instead of 60 "
-                           "minutes.")
+    assert cut[0].text == "Enrollment codes now expire after 24 hours instead of 60 minutes."
+
+
+def test_a_sentence_far_from_the_question_does_not_fill_the_budget():
+    question = bag_of_words(["enrollment"])[0]
+    assert excerpts([NOTES], question, bag_of_words, max_words=40)[0].text == NOTES.text  # room for everything
+    assert excerpts([NOTES], question, bag_of_words, max_words=40, min_similarity=0.9)[0].text == \
+        "Enrollment codes now expire after 24 hours instead of 60 minutes."
 
 
 def test_a_generous_budget_keeps_whole_passages():
