@@ -39,7 +39,9 @@ FULL_PROMPT_EVERY = 3
 
 def _scored(item: QAItem, reply: dict, seconds: float) -> dict:
     snapshot = reply.get("snapshot") or {}
+    passages = {cited["doc_id"] for cited in reply.get("citations", []) + reply.get("suggestions", [])}
     return {"answer": reply.get("answer", ""), "answered": reply.get("answered", True),
+            "sources": sorted({snapshot["doc_id"], *passages} if snapshot.get("doc_id") else passages),
             "correct": item.is_correct(reply.get("answer", ""), reply.get("answered")),
             "route": reply.get("route"), "cache_doc_id": snapshot.get("doc_id"),
             "ttft_s": (reply.get("timings_ms") or {}).get("ttft", 0.0) / 1000,
@@ -146,9 +148,11 @@ GROUPS: dict[str, Callable[[dict], bool]] = {
 def summarise(rows: list[dict]) -> dict:
     table = {group: {route: _cell([row for row in rows if keep(row)], route) for route in ROUTES}
              for group, keep in GROUPS.items()}
-    cached = [row for row in rows if row["auto"].get("route") in ("cache", "cache+retrieval")]
-    wrong_document = [row["id"] for row in cached
-                      if row["doc_id"] is not None and row["auto"]["cache_doc_id"] != row["doc_id"]]
+    # A cache answer from another document than the labelled one; cache+retrieval counts as right when its
+    # newer passages come from the labelled document.
+    wrong_document = [row["id"] for row in rows if row["doc_id"] is not None and (
+        row["auto"].get("route") == "cache" and row["auto"]["cache_doc_id"] != row["doc_id"]
+        or row["auto"].get("route") == "cache+retrieval" and row["doc_id"] not in row["auto"].get("sources", []))]
     declines: dict[str, int] = {}
     for row in rows:
         if row["doc_id"] is None and not row["auto"]["answered"]:
@@ -185,6 +189,8 @@ def through_api(config: Config, args: argparse.Namespace) -> int:
     items = load_qa(Path(config.corpus.manifest).parent / "qa.jsonl")
     if args.kind:
         items = [item for item in items if item.kind in args.kind]
+    if args.only:
+        items = [item for item in items if item.id in args.only.split(",")]
     if args.limit:
         items = items[:args.limit]
     print(f"loading {config.model.path} here for the full-prompt route...", file=sys.stderr, flush=True)

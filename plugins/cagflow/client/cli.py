@@ -368,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--limit", type=int, help="bench answers: ask only the first N sample questions")
     engine.add_argument("--kind", action="append", help="bench answers: ask only questions of this kind (fact, "
                         "near_miss, near_miss_absent, unanswerable, conflict; repeatable)")
+    engine.add_argument("--only", help="bench answers: ask only these question ids (q001,q002,...)")
     bench.set_defaults(run=cmd_bench)
 
     for service in SERVICES:

@@ -75,10 +75,10 @@ def passages_system(passages: Sequence[Passage]) -> str:
 
 
 def updates_text(passages: Sequence[Passage]) -> str:
-    """The newer passages of the cache+retrieval route, as they stand ahead of the question: dated, without
-    titles (the answer record cites them; here every token is prefilled per request)."""
-    return "\n\n".join(f"[Newer text{f', {passage.published}' if passage.published else ''}] {passage.text}"
-                         for passage in passages)
+    """The newer passages of the cache+retrieval route, as they stand ahead of the question: marked newer,
+    without titles or dates (the answer record cites them; every token here is prefilled per request, and a
+    date in the label was taken for the answer to "on what date...?")."""
+    return "\n\n".join(f"[Newer text] {passage.text}" for passage in passages)
 
 
 def clean_question(question: str) -> str:

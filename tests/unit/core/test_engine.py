@@ -73,7 +73,7 @@ def test_newer_passages_stand_between_the_document_and_the_question(small_parts)
     _, ids, reused = engine._plan(QUESTIONS[0], snapshot, UPDATES, True)
     suffix = engine.tokenizer.decode(ids[reused:])
     assert ids[:reused] == snapshot.prefix_token_ids
-    assert "[Newer text, 2025-03-10] The web console now listens" in suffix
+    assert "[Newer text] The web console now listens" in suffix and "2025-03-10" not in suffix
     assert suffix.index("9443") < suffix.index(QUESTIONS[0]) < suffix.index("a newer text overrides the document")
 
 
