@@ -20,6 +20,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -124,15 +125,13 @@ def _cell(rows: list[dict], route: str) -> dict | None:
     similar = [answer["similarity"] for answer in asked if "similarity" in answer]
     computed = [answer for answer in asked if answer.get("computed", True)]
     ttfts = [answer["ttft_s"] for answer in computed if answer.get("ttft_s")]
-    routes: dict[str, int] = {}
-    for answer in asked:
-        routes[answer.get("route") or "error"] = routes.get(answer.get("route") or "error", 0) + 1
+    routes = Counter(answer.get("route") or "error" for answer in asked)
     return {"questions": len(asked), "correct": sum(answer["correct"] for answer in asked),
             "share": sum(answer["correct"] for answer in asked) / len(asked),
             "similarity": statistics.fmean(similar) if similar else None,
             "p50_s": statistics.median(answer["seconds"] for answer in computed) if computed else None,
             "p50_ttft_s": statistics.median(ttfts) if ttfts else None, "computed": len(computed),
-            "routes": routes, "errors": sum("error" in answer for answer in asked)}
+            "routes": dict(routes), "errors": sum("error" in answer for answer in asked)}
 
 
 GROUPS: dict[str, Callable[[dict], bool]] = {

@@ -3,10 +3,10 @@
 The document (or retrieved passages) goes into the system turn; the question, followed by a short reminder
 to answer only from that text, is the user turn. On the ``cache+retrieval`` route, passages of newer
 documents that update the cached one go into the user turn ahead of the question: the system turn stays the
-snapshot's prefix, and the passages cost only their own prefill. The prefix is the rendered system turn alone. We tokenise
-the full prompt once and split it at the prefix's
-token count, then check the split really is the snapshot's prefix: tokenising prefix and question
-separately can merge tokens differently at the boundary.
+snapshot's prefix, and the passages cost only their own prefill. The prefix is the rendered system turn
+alone. We tokenise the full prompt once and split it at the prefix's token count, then check the split
+really is the snapshot's prefix: tokenising prefix and question separately can merge tokens differently at
+the boundary.
 """
 
 from __future__ import annotations
@@ -60,18 +60,14 @@ def document_system(title: str, body: str) -> str:
     return f"{DOCUMENT_INSTRUCTION}\n\nDocument: {title}\n\n{body}"
 
 
-def _numbered(passages: Sequence[Passage]) -> str:
+def passages_system(passages: Sequence[Passage]) -> str:
     blocks = []
     for number, passage in enumerate(passages, start=1):
         label = " — ".join(part for part in (passage.title, passage.section) if part)
         if passage.published:
             label = f"{label} ({passage.published})" if label else f"({passage.published})"
         blocks.append(f"[{number}] {label}\n{passage.text}" if label else f"[{number}] {passage.text}")
-    return "\n\n".join(blocks)
-
-
-def passages_system(passages: Sequence[Passage]) -> str:
-    return f"{PASSAGES_INSTRUCTION}\n\n{_numbered(passages)}"
+    return f"{PASSAGES_INSTRUCTION}\n\n" + "\n\n".join(blocks)
 
 
 def updates_text(passages: Sequence[Passage]) -> str:

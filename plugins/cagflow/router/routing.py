@@ -36,9 +36,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import re
 import json
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,8 +48,8 @@ import numpy as np
 
 from ..config import Config
 from ..core.prompt import DECLINED_ANSWER
-from ..search.embeddings import Embedder, get_embedder
 from ..search.chunking import sentences
+from ..search.embeddings import Embedder, get_embedder
 from ..search.retrieval import ChunkIndex, RetrievalError, RetrievalUnavailable, SearchHit
 from ..search.scope import ScopeDetector
 from ..store.backends import NotFound, SnapshotStore, StoreError, open_store
