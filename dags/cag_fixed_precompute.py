@@ -6,7 +6,9 @@ Runs at the configured low-peak cron (``precompute.schedule``); ``precompute.par
 computed at once. Trigger it with ``{"doc_ids": [...]}`` to process only some documents, or
 ``{"force": true}`` to recompute snapshots even when stored ones verify (a stored version is never
 overwritten). A backfill run processes the manifest as it stands: snapshots are versioned by document
-version, not by date, so it only fills in what is missing. The steps live in ``cagflow.offline.pipeline``.
+version, not by date, so it only fills in what is missing. Documents whose snapshots the active release
+already holds for their version and model are not planned at all (no model load): a run with nothing
+changed costs seconds. The steps live in ``cagflow.offline.pipeline``.
 """
 
 from datetime import datetime, timedelta, timezone
@@ -29,7 +31,8 @@ settings = load_config().precompute
     params={
         "doc_ids": Param([], type="array", items={"type": "string"},
                          description="Fixed documents to process; empty means all of them."),
-        "force": Param(False, type="boolean", description="Recompute snapshots even when stored ones verify."),
+        "force": Param(False, type="boolean",
+                       description="Ingest every document and recompute snapshots even when unchanged."),
     },
     tags=["cagflow", "fixed"],
     doc_md=__doc__,
@@ -37,19 +40,21 @@ settings = load_config().precompute
 def cag_fixed_precompute():
     @task(show_return_value_in_logs=False)
     def plan_parts(params=None):
-        return pipeline.plan_snapshot_parts(params["doc_ids"])
+        return pipeline.plan_snapshot_parts(params["doc_ids"], params["force"])
 
     @task(map_index_template="{{ task.op_kwargs['part']['label'] }}", max_active_tis_per_dagrun=settings.parallel_parts)
     def precompute(part, params=None):
         return pipeline.precompute_snapshot(part, params["force"])
 
-    @task(retries=0)
+    # Both run when nothing was left to precompute (the mapped task is then skipped): a document dropped
+    # from the manifest must still leave the release.
+    @task(retries=0, trigger_rule="none_failed")
     def validate_snapshots(results, parts):
         return pipeline.check_snapshots(results, parts)
 
-    @task(outlets=[FIXED_RELEASE])
-    def publish_release(results, params=None, outlet_events=None):
-        release = pipeline.publish_fixed_release(results, params["doc_ids"])
+    @task(outlets=[FIXED_RELEASE], trigger_rule="none_failed")
+    def publish_release(results, outlet_events=None):
+        release = pipeline.publish_fixed_release(results)
         outlet_events[FIXED_RELEASE].extra = release
         return release
 

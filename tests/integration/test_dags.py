@@ -214,17 +214,58 @@ def test_precompute_publishes_verified_snapshots_and_searchable_chunks(sample_ru
 
 
 @integration
-def test_second_run_writes_no_objects_and_duplicates_no_chunks(sample_run, use):
+def test_second_run_skips_every_unchanged_document_and_writes_nothing(sample_run, use, record_property):
     store, index = use(f"file://{sample_run['root']}", index="sample-chunks")
     before, chunks_before = objects(store), index.count(tier="fixed")
 
+    started = time.perf_counter()
     run = run_dag("cag_fixed_precompute")
+    record_property("no_change_rerun_wall_s", round(time.perf_counter() - started, 1))
 
     assert run.state == "success", states(run)
     assert objects(store) == before
     assert index.count(tier="fixed") == chunks_before
+    assert all(document["unchanged"] for document in returned(run, "load_manifest"))
+    assert returned(run, "chunk") == [] and returned(run, "embed") == []
+    assert returned(run, "plan_parts") == []
+    assert states(run)["precompute"] == "skipped"  # nothing mapped: no model loaded, no snapshot read
+    assert returned(run, "validate_snapshots")["snapshots"] == 0
     assert returned(run, "publish_release")["published"] is False
-    assert all(result["skipped"] for result in returned(run, "precompute"))
+
+
+@integration
+def test_an_edited_document_is_ingested_again_and_one_removed_leaves_the_release(use, tmp_path, tiny_model_dir):
+    """Incremental runs cost what changed: an edited file (same version) is chunked and embedded again while
+    its snapshot, keyed by version, is kept; a document dropped from the manifest leaves the index and the
+    release although nothing is computed."""
+    doc_ids = ["support-faq", "data-retention-backup-guide", "security-access-policy"]
+    manifest = write_corpus(tmp_path / "corpus", doc_ids)
+    store, index = use(manifest=manifest)
+    assert run_dag("cag_fixed_precompute").state == "success"
+    first = load_release(store)
+
+    faq = next((tmp_path / "corpus").rglob("support-faq.*"))
+    faq.write_text(faq.read_text() + "\n\nThe support line is closed on public holidays.\n")
+    edited = run_dag("cag_fixed_precompute")
+
+    assert edited.state == "success", states(edited)
+    assert {d["doc_id"] for d in returned(edited, "load_manifest") if not d["unchanged"]} == {"support-faq"}
+    assert {c["doc_id"] for c in returned(edited, "embed")} == {"support-faq"}
+    assert "public holidays" in " ".join(hit.text for hit in index.search("Is support open on public holidays?",
+                                                                          doc_id="support-faq"))
+    assert returned(edited, "plan_parts") == [] and load_release(store) == first
+
+    documents = yaml.safe_load(manifest.read_text())
+    documents["documents"] = [d for d in documents["documents"] if d["doc_id"] != "security-access-policy"]
+    manifest.write_text(yaml.safe_dump(documents))
+    dropped = run_dag("cag_fixed_precompute")
+
+    assert dropped.state == "success", states(dropped)
+    assert returned(dropped, "index")["removed"] == ["security-access-policy"]
+    assert index.count(doc_id="security-access-policy") == 0
+    assert returned(dropped, "publish_release")["published"] is True
+    assert_release_verifies(store, ["support-faq", "data-retention-backup-guide"])
+    assert load_release(store).for_doc("support-faq") == first.for_doc("support-faq")
 
 
 # ---- failures, resume, versions -----------------------------------------------------------------------
@@ -392,6 +433,13 @@ def test_variable_ingest_indexes_documents_and_removes_dropped_ones(use, corpus,
     assert {chunk["doc_id"] for chunk in chunks} == set(variable_ids)
     hits = index.search("Which CVE was fixed in Skerry 5.1.2?", tier="variable")
     assert hits[0].doc_id == "skerry-5-1-2-release-notes"
+
+    again = run_dag("cag_variable_ingest")
+    assert again.state == "success", states(again)
+    assert returned(again, "embed") == [] and index.count(tier="variable") == len(chunks)
+    forced = run_dag("cag_variable_ingest", {"force": True})
+    assert forced.state == "success", states(forced)
+    assert len(returned(forced, "embed")) == len(chunks) and index.count(tier="variable") == len(chunks)
 
     dropped = "price-change-2025"
     use(manifest=write_corpus(tmp_path / "fewer", [d for d in variable_ids if d != dropped]), index=index.alias)

@@ -263,16 +263,22 @@ def recipe_for(config, precision: str) -> str:
     return fastlm.recipe_for(config) if precision == "int8" and fastlm.supports(config) else "fp32"
 
 
-def prepare_model(spec: str, precision: str) -> tuple[Path, str, str]:
-    """Everything a first load would do once (convert the model, build the kernels): (folder, recipe,
-    fingerprint). Safe to run in several processes at once."""
+def identify_model(spec: str, precision: str) -> tuple[Path, str, str]:
+    """(folder, recipe, fingerprint) without loading the weights: enough to tell which snapshots a model
+    can reuse (the weights' hash is remembered next to them, so this is cheap after the first time)."""
     from transformers import AutoConfig
-
-    from . import fastlm
 
     model_dir = resolve_model_dir(spec)
     recipe = recipe_for(AutoConfig.from_pretrained(str(model_dir)), precision)
-    fingerprint = model_fingerprint(model_dir, recipe)
+    return model_dir, recipe, model_fingerprint(model_dir, recipe)
+
+
+def prepare_model(spec: str, precision: str) -> tuple[Path, str, str]:
+    """Everything a first load would do once (convert the model, build the kernels): (folder, recipe,
+    fingerprint). Safe to run in several processes at once."""
+    from . import fastlm
+
+    model_dir, recipe, fingerprint = identify_model(spec, precision)
     if recipe != "fp32":
         fastlm.prepared_weights(model_dir, fingerprint)
     return model_dir, recipe, fingerprint

@@ -12,11 +12,12 @@ def ingest_documents(tier: str):
     """Add the ingest tasks for the manifest's ``tier`` documents to the DAG being defined: load manifest →
     parse → chunk → validate chunks → embed → index. A non-empty ``doc_ids`` param limits them to those
     documents and keeps the other documents' chunks; otherwise documents gone from the manifest lose theirs.
-    Returns the index task's output, for what must wait on the index."""
+    Documents whose indexed chunks were made from the same source are skipped (``force`` ingests them
+    again). Returns the index task's output, for what must wait on the index."""
 
     @task(retries=0)
     def load_manifest(params=None):
-        return pipeline.load_documents(tier, params.get("doc_ids"))
+        return pipeline.load_documents(tier, params.get("doc_ids"), incremental=not params.get("force"))
 
     @task(retries=0, show_return_value_in_logs=False)
     def parse(documents):
@@ -35,11 +36,11 @@ def ingest_documents(tier: str):
         return pipeline.embed_chunks(chunks)
 
     @task
-    def index(embedded, params=None):
-        return pipeline.index_chunks(embedded, tier, remove_unlisted=not params.get("doc_ids"))
+    def index(embedded, parsed, params=None):
+        return pipeline.index_chunks(embedded, tier, remove_unlisted=not params.get("doc_ids"), documents=parsed)
 
     parsed = parse(load_manifest())
     chunks = chunk(parsed)
     embedded = embed(chunks)
     validate_chunks(parsed, chunks) >> embedded
-    return index(embedded)
+    return index(embedded, parsed)

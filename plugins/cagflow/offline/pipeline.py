@@ -13,6 +13,7 @@ therefore finishes the missing work only.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import time
@@ -146,8 +147,30 @@ def _triton_call(config: Config, model: str, timeout_s: float, **values: str | b
 # ---- documents, chunks, embeddings, index ----------------------------------------------------------
 
 
-def load_documents(tier: str, doc_ids: Sequence[str] | None = None, config: Config | None = None) -> list[dict]:
-    """The manifest's documents of ``tier`` (all, or the chosen ids), checked by the manifest suite."""
+def source_digest(document: dict, config: Config) -> str:
+    """What a document's chunks are made from: its file, its manifest fields, the parser and chunker
+    versions, the chunk sizes and the embedding model. Chunks carrying the same digest need not be made
+    again. An unreadable file gets no digest (parsing reports it)."""
+    from ..core.documents import PARSER_VERSION
+    from ..search.chunking import CHUNKING_VERSION
+    from ..search.embeddings import bundled_model_path
+
+    try:
+        digest = hashlib.sha256(Path(document["path"]).read_bytes())
+    except OSError:
+        return ""
+    fields = {key: document.get(key) or "" for key in ("doc_id", "version", "tier", "title", "published")}
+    made_by = {"parser": PARSER_VERSION, "chunker": CHUNKING_VERSION, "chunk_tokens": config.retrieval.chunk_tokens,
+               "overlap_tokens": config.retrieval.chunk_overlap_tokens, "embedder": bundled_model_path().name}
+    digest.update(json.dumps([fields, made_by], sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def load_documents(tier: str, doc_ids: Sequence[str] | None = None, config: Config | None = None,
+                   incremental: bool = False) -> list[dict]:
+    """The manifest's documents of ``tier`` (all, or the chosen ids), checked by the manifest suite, each
+    with its ``source_sha256``. ``incremental`` marks ``unchanged`` the documents whose indexed chunks
+    were all made from the same source: the later steps skip them."""
     from ..store.manifests import CorpusManifest
     from .validation import validate_documents
 
@@ -157,19 +180,45 @@ def load_documents(tier: str, doc_ids: Sequence[str] | None = None, config: Conf
     documents = [{**entry.model_dump(), "path": str(manifest.file(entry))} for entry in entries]
     if documents:
         validate_documents(documents)
-    log.info("%d %s document(s) from %s", len(documents), tier, config.corpus.manifest)
+    for document in documents:
+        document["source_sha256"] = source_digest(document, config)
+    indexed = _indexed_sources(tier, config) if incremental and documents else {}
+    for document in documents:
+        document["unchanged"] = bool(document["source_sha256"]) and indexed.get(document["doc_id"]) == {
+            document["source_sha256"]}
+    unchanged = sum(document["unchanged"] for document in documents)
+    log.info("%d %s document(s) from %s%s", len(documents), tier, config.corpus.manifest,
+             f"; {unchanged} unchanged since they were indexed, skipped" if unchanged else "")
     return documents
+
+
+def _indexed_sources(tier: str, config: Config) -> dict[str, set[str]]:
+    """The index's documents of ``tier`` and their source digests; none when the index cannot say (not
+    created yet, or unreachable: then every document is ingested, and the index step reports the error)."""
+    from ..search.retrieval import RetrievalError
+
+    with chunk_index(config) as index:
+        try:
+            return index.sources(tier)
+        except RetrievalError as exc:
+            log.warning("cannot tell which documents are indexed already, ingesting all: %s", exc)
+            return {}
 
 
 def parse_documents(documents: Sequence[dict]) -> list[dict]:
     """Titled sections per document. A document that cannot be parsed (empty, unreadable) is kept with
-    its problem, so the validation step reports every broken document at once."""
+    its problem, so the validation step reports every broken document at once. Unchanged documents
+    (``load_documents(incremental=True)``) are passed on without their text."""
     from ..core.documents import DocumentError, parse_file
 
     parsed = []
     for document in documents:
         record = {key: document[key] for key in ("doc_id", "version", "tier", "title")}
-        record["published"] = document.get("published", "")
+        record.update(published=document.get("published", ""), source_sha256=document.get("source_sha256", ""),
+                      unchanged=bool(document.get("unchanged")))
+        if record["unchanged"]:
+            parsed.append({**record, "sections": [], "problem": None})
+            continue
         try:
             sections = parse_file(document["path"], document["title"]).sections
             parsed.append({**record, "sections": [[s.heading, s.text] for s in sections], "problem": None})
@@ -187,12 +236,13 @@ def chunk_documents(parsed: Sequence[dict], config: Config | None = None) -> lis
     config = _config(config)
     count = embedding_token_counter()
     chunks = []
-    for doc in parsed:
+    changed = [doc for doc in parsed if not doc.get("unchanged")]
+    for doc in changed:
         document = ParsedDocument(doc["title"], tuple(Section(heading, text) for heading, text in doc["sections"]))
-        chunks += [chunk.to_record() for chunk in chunk_document(
+        chunks += [{**chunk.to_record(), "source_sha256": doc.get("source_sha256", "")} for chunk in chunk_document(
             doc["doc_id"], doc["version"], doc["tier"], document, count,
             config.retrieval.chunk_tokens, config.retrieval.chunk_overlap_tokens, doc.get("published", ""))]
-    log.info("%d chunk(s) from %d document(s), at most %d tokens, %d overlapping", len(chunks), len(parsed),
+    log.info("%d chunk(s) from %d document(s), at most %d tokens, %d overlapping", len(chunks), len(changed),
              config.retrieval.chunk_tokens, config.retrieval.chunk_overlap_tokens)
     return chunks
 
@@ -202,10 +252,11 @@ def check_chunks(parsed: Sequence[dict], chunks: Sequence[dict], config: Config 
     from .validation import validate_chunks
 
     config = _config(config)
-    problems = {doc["doc_id"]: doc["problem"] for doc in parsed if doc["problem"]}
-    validate_chunks(chunks, [doc["doc_id"] for doc in parsed], config.retrieval.chunk_tokens, problems)
-    log.info("chunk suite passed: %d chunk(s) of %d document(s)", len(chunks), len(parsed))
-    return {"documents": len(parsed), "chunks": len(chunks)}
+    changed = [doc for doc in parsed if not doc.get("unchanged")]
+    problems = {doc["doc_id"]: doc["problem"] for doc in changed if doc["problem"]}
+    validate_chunks(chunks, [doc["doc_id"] for doc in changed], config.retrieval.chunk_tokens, problems)
+    log.info("chunk suite passed: %d chunk(s) of %d document(s)", len(chunks), len(changed))
+    return {"documents": len(changed), "chunks": len(chunks)}
 
 
 def embedding_text(chunk: dict) -> str:
@@ -226,25 +277,14 @@ def decode_vector(text: str) -> np.ndarray:
 def embed_chunks(chunks: Sequence[dict]) -> list[dict]:
     from ..search.embeddings import get_embedder
 
+    if not chunks:  # nothing changed: the model is not even loaded
+        return []
+
     started = time.perf_counter()
     vectors = get_embedder().encode([embedding_text(chunk) for chunk in chunks])
     seconds = time.perf_counter() - started
     log.info("embedded %d chunk(s) in %.1f s (%.0f chunks/s)", len(chunks), seconds, len(chunks) / max(seconds, 1e-9))
     return [{**chunk, "embedding": encode_vector(vector)} for chunk, vector in zip(chunks, vectors)]
-
-
-def _indexed_doc_ids(index: ChunkIndex, tier: str) -> set[str]:
-    """Doc ids that have chunks of ``tier`` in the index (one terms aggregation)."""
-    from opensearchpy import OpenSearch
-
-    client = OpenSearch(hosts=[index.endpoint], timeout=index.timeout_s)
-    try:
-        body = {"size": 0, "query": {"term": {"tier": tier}},
-                "aggs": {"doc_ids": {"terms": {"field": "doc_id", "size": 65536}}}}
-        response = client.search(index=index.alias, body=body)
-    finally:
-        client.close()
-    return {bucket["key"] for bucket in response["aggregations"]["doc_ids"]["buckets"]}
 
 
 def index_records(embedded: Sequence[dict]) -> list[Chunk]:
@@ -253,19 +293,22 @@ def index_records(embedded: Sequence[dict]) -> list[Chunk]:
 
     return [Chunk(chunk_id=c["chunk_id"], doc_id=c["doc_id"], text=c["text"], tier=c["tier"], version=c["version"],
                   title=c["title"], section=c["section"], published=c.get("published", ""),
-                  embedding=decode_vector(c["embedding"]).tolist())
+                  embedding=decode_vector(c["embedding"]).tolist(), source_sha256=c.get("source_sha256", ""))
             for c in embedded]
 
 
-def index_chunks(embedded: Sequence[dict], tier: str, remove_unlisted: bool, config: Config | None = None) -> dict:
+def index_chunks(embedded: Sequence[dict], tier: str, remove_unlisted: bool, config: Config | None = None,
+                 documents: Sequence[dict] | None = None) -> dict:
     """Upsert chunks by chunk id, then make each document's chunks exactly this set.
 
     A document whose index holds more chunks than were just written had an older version (or chunking)
     indexed: its chunks are replaced. With ``remove_unlisted``, documents of ``tier`` that are no longer
-    in the manifest lose their chunks.
+    in the manifest (``documents``, unchanged ones included; by default those of the chunks) lose their
+    chunks.
     """
     chunks = index_records(embedded)
     per_doc = Counter(chunk.doc_id for chunk in chunks)
+    listed = {document["doc_id"] for document in documents} if documents is not None else set(per_doc)
     with chunk_index(config) as index:
         index.ensure_index()
         index.upsert(chunks)
@@ -273,7 +316,7 @@ def index_chunks(embedded: Sequence[dict], tier: str, remove_unlisted: bool, con
         for doc_id in replaced:
             index.delete_document(doc_id)
             index.upsert([chunk for chunk in chunks if chunk.doc_id == doc_id])
-        removed = sorted(_indexed_doc_ids(index, tier) - set(per_doc)) if remove_unlisted else []
+        removed = sorted(set(index.sources(tier)) - listed) if remove_unlisted else []
         for doc_id in removed:
             index.delete_document(doc_id)
         total = index.count(tier=tier)
@@ -292,17 +335,39 @@ def _require_precompute_mode(config: Config) -> None:
         raise PrecomputeUnavailable("precompute.via='triton' needs precompute.triton_url (Triton's HTTP host:port)")
 
 
-def plan_snapshot_parts(doc_ids: Sequence[str] | None = None, config: Config | None = None) -> list[dict]:
-    """The fixed documents split into parts that fit the model's context: one precompute task each."""
+def model_fingerprint(config: Config) -> str:
+    """The configured model's fingerprint, without loading it."""
+    from ..core.model import identify_model
+
+    return identify_model(config.model.path, config.model.precision)[2]
+
+
+def plan_snapshot_parts(doc_ids: Sequence[str] | None = None, force: bool = False,
+                        config: Config | None = None) -> list[dict]:
+    """The fixed documents split into parts that fit the model's context: one precompute task each.
+
+    Documents the active release already holds for their version and this model (objects present under
+    their checksums) are left out unless ``force``: the release step keeps their snapshots, and the model
+    is loaded only when something is left to split."""
     from ..core.keys import SnapshotKey
-    from ..store.manifests import CorpusManifest
+    from ..store.manifests import CorpusManifest, unchanged_documents
     from .precompute import plan_parts
 
     config = _config(config)
     _require_precompute_mode(config)
-    engine = engine_for(config)
     manifest = CorpusManifest.load(config.corpus.manifest)
-    parts = plan_parts(engine, manifest, list(doc_ids) if doc_ids else None)
+    selected = [entry.doc_id for entry in manifest.select(list(doc_ids) if doc_ids else None, tier="fixed")]
+    unchanged = set() if force else unchanged_documents(snapshot_store(config), model_fingerprint(config),
+                                                          manifest.select(selected, tier="fixed"))
+    todo = [doc_id for doc_id in selected if doc_id not in unchanged]
+    if unchanged:
+        log.info("%d fixed document(s) unchanged since the active release, kept without planning: %s",
+                 len(unchanged), ", ".join(sorted(unchanged)))
+    if not todo:
+        log.info("nothing to precompute")
+        return []
+    engine = engine_for(config)
+    parts = plan_parts(engine, manifest, todo)
     paths = {entry.doc_id: str(manifest.file(entry)) for entry in manifest.documents}
     doc_order = list(dict.fromkeys(part.doc_id for part in parts))
     planned = []
@@ -381,9 +446,10 @@ def check_snapshots(results: Sequence[dict], parts: Sequence[dict], config: Conf
     from ..store.manifests import ReleaseEntry
     from .validation import validate_snapshots
 
-    entries = [ReleaseEntry(**result["entry"]) for result in results]
-    validate_snapshots(snapshot_store(config), entries, [part["key"] for part in parts])
-    computed = [result for result in results if not result["skipped"]]
+    entries = [ReleaseEntry(**result["entry"]) for result in results or ()]
+    if entries or parts:
+        validate_snapshots(snapshot_store(config), entries, [part["key"] for part in parts])
+    computed = [result for result in results or () if not result["skipped"]]
     tokens = sum(result["entry"]["n_tokens"] for result in computed)
     seconds = sum(result["seconds"] for result in computed)
     summary = {"snapshots": len(entries), "documents": len({e.doc_id for e in entries}),
@@ -405,25 +471,24 @@ def _active_release(store: SnapshotStore):
         return None
 
 
-def publish_fixed_release(results: Sequence[dict], doc_ids: Sequence[str] | None = None,
-                          config: Config | None = None) -> dict:
+def publish_fixed_release(results: Sequence[dict] | None, config: Config | None = None) -> dict:
     """Publish a release of this run's snapshots and point ``current`` at it.
 
-    When only some documents were processed, the other fixed documents keep their snapshots from the active
-    release; a release identical to the active one is not published again, so a rerun writes nothing.
+    The fixed documents the run did not compute (not selected, or unchanged) keep their snapshots from the
+    active release; a release identical to the active one is not published again, so a rerun writes nothing.
     """
     from ..store.manifests import CorpusManifest, ReleaseEntry
     from .precompute import publish_run
 
     config = _config(config)
     store = snapshot_store(config)
-    fingerprints = {result["model_fingerprint"] for result in results}
+    results = list(results or ())
+    fingerprints = {result["model_fingerprint"] for result in results} or {model_fingerprint(config)}
     if len(fingerprints) != 1:
         raise PrecomputeUnavailable(f"snapshots of {len(fingerprints)} models cannot form one release")
     fingerprint = fingerprints.pop()
     entries = [ReleaseEntry(**result["entry"]) for result in results]
-    release, published = publish_run(store, fingerprint, entries, CorpusManifest.load(config.corpus.manifest),
-                                     doc_ids)
+    release, published = publish_run(store, fingerprint, entries, CorpusManifest.load(config.corpus.manifest))
     summary = {"store": store.url, "snapshots": len(release.snapshots), "documents": len(release.doc_ids),
                "bytes": sum(entry.bytes for entry in release.snapshots)}
     if not published:

@@ -96,12 +96,11 @@ def precompute_part(engine: Engine, store: SnapshotStore, part: DocumentPart, fo
 
 
 def publish_run(store: SnapshotStore, model_fingerprint: str, entries: Sequence[ReleaseEntry],
-                manifest: CorpusManifest, doc_ids: Sequence[str] | None = None) -> tuple[Release, bool]:
-    """Publish the release of a run's snapshots (for a partial run, with the active release's snapshots of
-    the other fixed documents); nothing is published when the active release already holds exactly these.
+                manifest: CorpusManifest) -> tuple[Release, bool]:
+    """Publish the release of a run's snapshots (with the active release's snapshots of the fixed documents
+    the run did not compute); nothing is published when the active release already holds exactly these.
     Returns the release now active and whether it was published."""
-    release = release_for_run(store, model_fingerprint, list(entries), manifest, list(doc_ids or []))
-    return publish_if_changed(store, release)
+    return publish_if_changed(store, release_for_run(store, model_fingerprint, list(entries), manifest))
 
 
 def precompute_and_publish(engine: Engine, store: SnapshotStore, manifest: CorpusManifest,
@@ -121,7 +120,7 @@ def precompute_and_publish(engine: Engine, store: SnapshotStore, manifest: Corpu
         results.append(result)
         if on_done:
             on_done(result)
-    release, published = publish_run(store, engine.fingerprint, [r.entry for r in results], manifest, doc_ids)
+    release, published = publish_run(store, engine.fingerprint, [r.entry for r in results], manifest)
     return release, published, results
 
 

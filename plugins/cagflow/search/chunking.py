@@ -30,6 +30,10 @@ class ChunkingError(CagflowError, ValueError):
     code = "chunking_failed"
 
 
+# Bump when chunk boundaries change for the same text: every document is then chunked and embedded again.
+CHUNKING_VERSION = "1"
+
+
 @dataclass(frozen=True)
 class TextChunk:
     chunk_id: str

@@ -71,6 +71,7 @@ class Chunk:
     section: str = ""
     published: str = ""  # ISO date of the document, or empty
     embedding: Sequence[float] | None = field(default=None, repr=False, compare=False)
+    source_sha256: str = ""  # digest of what the document's chunks were made from (an unchanged one is skipped)
 
     def __post_init__(self) -> None:
         if not self.chunk_id or not self.doc_id:
@@ -183,6 +184,7 @@ def index_body(shards: int = 1, replicas: int = 0) -> dict[str, Any]:
                 "tier": {"type": "keyword"},
                 "version": {"type": "keyword"},
                 "published": {"type": "keyword"},  # ISO dates compare as strings
+                "source_sha256": {"type": "keyword"},
                 "title": {"type": "text"},
                 "section": {"type": "text"},
                 "text": {"type": "text"},
@@ -445,7 +447,8 @@ class ChunkIndex:
                 lines.append({
                     "chunk_id": chunk.chunk_id, "doc_id": chunk.doc_id, "text": chunk.text, "tier": chunk.tier,
                     "version": chunk.version, "title": chunk.title, "section": chunk.section,
-                    "published": chunk.published, "embedding": [float(value) for value in vector],
+                    "published": chunk.published, "source_sha256": chunk.source_sha256,
+                    "embedding": [float(value) for value in vector],
                 })
             response = self._call("bulk index", self._client.bulk, body=lines)
             if response.get("errors"):
@@ -470,12 +473,25 @@ class ChunkIndex:
         response = self._call("count", self._client.count, index=self.alias, body=body)
         return int(response["count"])
 
+    def sources(self, tier: str) -> dict[str, set[str]]:
+        """Each document of ``tier`` in the index → the source digests its chunks carry (one when its last
+        ingest completed; an older index's chunks carry none). Empty before the index exists."""
+        if not self._alias_targets():
+            return {}
+        body = {"size": 0, "query": {"term": {"tier": tier}},
+                "aggs": {"docs": {"terms": {"field": "doc_id", "size": 65536},
+                                  "aggs": {"sources": {"terms": {"field": "source_sha256", "size": 4,
+                                                                 "missing": ""}}}}}}
+        response = self._call("list documents", self._client.search, index=self.alias, body=body)
+        return {bucket["key"]: {source["key"] for source in bucket["sources"]["buckets"]}
+                for bucket in response["aggregations"]["docs"]["buckets"]}
+
     def scan(self, tier: str | None = None, page_size: int = 500) -> Iterator[Chunk]:
         """Every chunk with its embedding, paged with ``search_after`` on ``chunk_id`` (no scroll context
         to leak)."""
         body: dict[str, Any] = {
             "size": page_size, "query": {"bool": {"filter": filter_clauses(tier)}}, "sort": [{"chunk_id": "asc"}],
-            "_source": [*_SOURCE_FIELDS, "embedding"],
+            "_source": [*_SOURCE_FIELDS, "embedding", "source_sha256"],
         }
         while True:
             hits = self._call("scan", self._client.search, index=self.alias, body=body)["hits"]["hits"]
@@ -483,7 +499,8 @@ class ChunkIndex:
                 source = raw["_source"]
                 yield Chunk(source["chunk_id"], source["doc_id"], source["text"], source["tier"],
                             source.get("version", ""), source.get("title", ""), source.get("section", ""),
-                            source.get("published", ""), embedding=source["embedding"])
+                            source.get("published", ""), embedding=source["embedding"],
+                            source_sha256=source.get("source_sha256", ""))
             if len(hits) < page_size:
                 return
             body["search_after"] = hits[-1]["sort"]

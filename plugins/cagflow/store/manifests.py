@@ -12,7 +12,7 @@ import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -186,20 +186,40 @@ def publish_release(store: SnapshotStore, release: Release) -> str:
 
 
 def release_for_run(store: SnapshotStore, model_fingerprint: str, entries: list[ReleaseEntry],
-                    manifest: CorpusManifest, doc_ids: list[str] | None = None) -> Release:
-    """The release a precompute run should publish: its own snapshots, plus, when only some documents
-    ran, the active release's snapshots of the other fixed documents (same model, same version)."""
+                    manifest: CorpusManifest) -> Release:
+    """The release a precompute run should publish: its own snapshots, plus the active release's snapshots
+    of every other fixed document of the manifest whose version and model are unchanged (a partial run, or
+    documents a run found unchanged and did not plan). Documents gone from the manifest drop out."""
     entries = list(entries)
-    if doc_ids:
-        try:
-            active = load_release(store)
-        except NotFound:
-            active = None
-        if active is not None and active.model_fingerprint == model_fingerprint:
-            versions = {entry.doc_id: entry.version for entry in manifest.tier("fixed")}
-            entries += [entry for entry in active.snapshots
-                        if entry.doc_id not in doc_ids and versions.get(entry.doc_id) == entry.doc_version]
+    try:
+        active = load_release(store)
+    except NotFound:
+        active = None
+    if active is not None and active.model_fingerprint == model_fingerprint:
+        computed = {entry.doc_id for entry in entries}
+        versions = {entry.doc_id: entry.version for entry in manifest.tier("fixed")}
+        entries += [entry for entry in active.snapshots
+                    if entry.doc_id not in computed and versions.get(entry.doc_id) == entry.doc_version]
     return Release.build(model_fingerprint, entries)
+
+
+def unchanged_documents(store: SnapshotStore, model_fingerprint: str, documents: Sequence[DocumentEntry]) -> set[str]:
+    """Documents whose snapshots the active release already holds for this version and model, every object
+    still in the store under its checksum (a HEAD each, no read, no model): a run need not plan them."""
+    try:
+        active = load_release(store)
+    except NotFound:
+        return set()
+    if active.model_fingerprint != model_fingerprint:
+        return set()
+    unchanged = set()
+    for document in documents:
+        entries = active.for_doc(document.doc_id)
+        if entries and all(entry.doc_version == document.version for entry in entries) and all(
+                (info := store.head(entry.object_name)) is not None and info.sha256 == entry.sha256
+                for entry in entries):
+            unchanged.add(document.doc_id)
+    return unchanged
 
 
 def publish_if_changed(store: SnapshotStore, release: Release) -> tuple[Release, bool]:
