@@ -34,6 +34,15 @@ TRITON_METRICS_PORT ?= 8002
 AIRFLOW_PORT ?= 8081
 DEMO_QUESTIONS ?= 6
 
+# One step of `make run`: say what it does, run it, say how long it took, and note that for the summary.
+RUN_STEPS := $(VENV)/.make-run-steps
+define step
+	@printf '\n==> %s\n' "$(1)"
+	@start=$$(date +%s.%N); $(2) || exit $$?; \
+	  seconds=$$(awk -v start=$$start -v end=$$(date +%s.%N) 'BEGIN {printf "%.1f", end - start}'); \
+	  printf '<== %s: %s s\n' "$(1)" "$$seconds"; printf '%-50s %7s s\n' "$(1)" "$$seconds" >> $(RUN_STEPS)
+endef
+
 # The DAG's tasks run from this checkout, so the manifest path is made absolute for them. Triton starts
 # before the DAGs so that the precompute run's last task can make it load the new release; the router
 # starts after them so that it reads the fixed documents' chunks from the index at start-up.
@@ -43,17 +52,21 @@ run: export CAGFLOW__SERVICE__TRITON_URL = 127.0.0.1:$(TRITON_HTTP_PORT)
 run: export CAGFLOW__SERVICE__TRITON_GRPC_URL = 127.0.0.1:$(TRITON_GRPC_PORT)
 run: export CAGFLOW__SERVICE__TRITON_METRICS_URL = http://127.0.0.1:$(TRITON_METRICS_PORT)/metrics
 run: export CAGFLOW__PRECOMPUTE__TRITON_URL = 127.0.0.1:$(TRITON_HTTP_PORT)
-run: install
-	$(BIN)/cagflow model prepare
-	$(BIN)/cagflow opensearch up
-	$(BIN)/cagflow triton up --http-port $(TRITON_HTTP_PORT) --grpc-port $(TRITON_GRPC_PORT) \
-		--metrics-port $(TRITON_METRICS_PORT)
-	$(BIN)/cagflow airflow up --port $(AIRFLOW_PORT)
-	$(BIN)/cagflow airflow trigger cag_variable_ingest
-	$(BIN)/cagflow airflow trigger cag_fixed_precompute
-	$(BIN)/cagflow keys init-local
-	$(BIN)/cagflow router up
-	$(BIN)/cagflow demo --questions $(DEMO_QUESTIONS)
+run:
+	@mkdir -p $(VENV) && : > $(RUN_STEPS)
+	$(call step,install dependencies,$(MAKE) --no-print-directory install)
+	$(call step,prepare the model,$(BIN)/cagflow model prepare)
+	$(call step,start OpenSearch,$(BIN)/cagflow opensearch up)
+	$(call step,start Triton,$(BIN)/cagflow triton up --http-port $(TRITON_HTTP_PORT) \
+		--grpc-port $(TRITON_GRPC_PORT) --metrics-port $(TRITON_METRICS_PORT))
+	$(call step,start Airflow,$(BIN)/cagflow airflow up --port $(AIRFLOW_PORT))
+	$(call step,ingest the variable documents (DAG),$(BIN)/cagflow airflow trigger cag_variable_ingest)
+	$(call step,ingest and precompute the fixed documents (DAG),$(BIN)/cagflow airflow trigger cag_fixed_precompute)
+	$(call step,issue local API keys,$(BIN)/cagflow keys init-local)
+	$(call step,start the REST API,$(BIN)/cagflow router up)
+	$(call step,ask the sample questions,$(BIN)/cagflow demo --questions $(DEMO_QUESTIONS))
+	@printf '\nmake run, step by step:\n'; cat $(RUN_STEPS); \
+	  awk '{total += $$(NF-1)} END {printf "%-50s %7.1f s\n", "total", total}' $(RUN_STEPS)
 	@echo "Services keep running; stop them with: make stop"
 
 stop:
