@@ -38,6 +38,10 @@ OFF_TOPIC = "Can you give me a recipe for banana bread?"  # closest sample chunk
 UPDATED = ("After how many consecutive failed sign-in attempts is an account locked?", "security-access-policy",
            "security-policy-amendment-2025-01")
 ANSWERABLE_THRESHOLD = 0.25
+# The answer record as the README documents it (tests/unit/client/test_cli.py holds `ask --local` to it).
+ANSWER_FIELDS = {"answer", "answered", "decline_reason", "route", "route_reason", "cache_hit", "fallback_reason",
+                 "snapshot", "citations", "suggestions", "unsupported_figures", "scope_score", "best_score",
+                 "answer_source", "release_id", "finish_reason", "timings_ms", "tokens", "request_id"}
 
 
 class RouterError(RuntimeError):
@@ -146,6 +150,8 @@ def test_in_scope_question_takes_the_cache_route(router, keys, release_store):
     assert answer["snapshot"]["doc_id"] == IN_SCOPE[1] and answer["scope_score"] >= 0.5
     assert answer["snapshot"]["key"] in {entry.key for entry in release.snapshots}
     assert answer["fallback_reason"] is None and answer["suggestions"] == []
+    assert set(answer) == ANSWER_FIELDS  # the shape `cagflow ask --local --json` prints too
+    assert answer["tokens"]["prompt"] > answer["tokens"]["reused"] > 0 and answer["tokens"]["generated"] > 0
     # the tiny model's words hold no figure the policy lacks: answered, citing a chunk of the policy
     assert answer["answered"] is True and answer["decline_reason"] is None and "model_answer" not in answer
     assert [citation["doc_id"] for citation in answer["citations"]] == [IN_SCOPE[1]]

@@ -46,6 +46,7 @@ def _pick_document(config: Config, question: str) -> str:
 
 def cmd_ask_local(args: argparse.Namespace, config: Config) -> int:
     """In this process, without the API: the snapshot of one fixed document, or the full prompt."""
+    from ..core.record import answer_record
     from ..inference.resident import snapshot_for_question
     from ..store.manifests import load_release
 
@@ -60,7 +61,16 @@ def cmd_ask_local(args: argparse.Namespace, config: Config) -> int:
     answer = engine.answer(args.question, snapshot=snapshot, max_new_tokens=args.max_new_tokens,
                            reuse_cache=not args.no_cache)
     if args.json:
-        print(json.dumps({"doc_id": doc_id, "release_id": release.release_id, **answer.to_dict()}, indent=2))
+        entry = next(entry for entry in release.snapshots if entry.key == str(snapshot.key))
+        print(json.dumps(answer_record(
+            model_answer=answer.text, answered=answer.answered, decline_reason=answer.decline_reason,
+            route=answer.route, route_reason="local", cache_hit=answer.route == "cache",
+            snapshot={"key": entry.key, "doc_id": entry.doc_id, "doc_version": entry.doc_version},
+            release_id=release.release_id, finish_reason=answer.finish_reason,
+            timings_ms={"ttft": round(answer.ttft_s * 1000, 2), "generate": round(answer.total_s * 1000, 2),
+                        "total": round(answer.total_s * 1000, 2)},
+            prompt_tokens=answer.prompt_tokens, reused_tokens=answer.reused_tokens,
+            generated_tokens=len(answer.token_ids), unsupported_figures=answer.unsupported), indent=2))
     else:
         print(answer.text)
         print(f"[{answer.route} · {doc_id} · {answer.reused_tokens}/{answer.prompt_tokens} prompt tokens reused · "

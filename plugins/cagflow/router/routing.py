@@ -48,6 +48,7 @@ import numpy as np
 
 from ..config import Config
 from ..core.prompt import DECLINED_ANSWER
+from ..core.record import answer_record
 from ..search.chunking import sentences
 from ..search.embeddings import Embedder, get_embedder
 from ..search.retrieval import ChunkIndex, RetrievalError, RetrievalUnavailable, SearchHit
@@ -534,16 +535,16 @@ class Router:
             metrics.ANSWER_SOURCES.labels(outputs["ANSWER_SOURCE"]).inc()
         if decline_reason:
             metrics.DECLINED.labels(decline_reason).inc()
-        return {
-            "answer": model_answer if answered else DECLINED_ANSWER, "answered": answered,
-            "decline_reason": decline_reason, "route": route, "route_reason": plan.reason, "cache_hit": cache_hit,
-            "fallback_reason": fallback, "snapshot": self._snapshot_info(outputs.get("SNAPSHOT_KEY", "")),
-            "citations": citations, "suggestions": [] if answered else _citations(hits or plan.updates),
-            "unsupported_figures": unsupported, "scope_score": plan.scope_score, "best_score": plan.best_score,
-            "answer_source": outputs.get("ANSWER_SOURCE"), "release_id": outputs.get("RELEASE_ID") or None,
-            "finish_reason": outputs.get("FINISH_REASON"), "timings_ms": timings, "request_id": request_id,
-            **({} if answered or model_answer == DECLINED_ANSWER else {"model_answer": model_answer}),
-        }
+        return answer_record(
+            model_answer=model_answer, answered=answered, decline_reason=decline_reason, route=route,
+            route_reason=plan.reason, cache_hit=cache_hit, fallback_reason=fallback,
+            snapshot=self._snapshot_info(outputs.get("SNAPSHOT_KEY", "")), citations=citations,
+            suggestions=[] if answered else _citations(hits or plan.updates), unsupported_figures=unsupported,
+            scope_score=plan.scope_score, best_score=plan.best_score, answer_source=outputs.get("ANSWER_SOURCE"),
+            release_id=outputs.get("RELEASE_ID") or None, finish_reason=outputs.get("FINISH_REASON"),
+            timings_ms=timings, prompt_tokens=int(outputs.get("PROMPT_TOKENS", 0)),
+            reused_tokens=int(outputs.get("REUSED_TOKENS", 0)),
+            generated_tokens=len(outputs.get("TOKEN_IDS", ())), request_id=request_id)
 
     def _cache_failed(self, plan: Plan, error: TritonUnavailable | TritonRejected) -> str:
         """Record a cache-route failure; returns the fallback reason, or raises when there is no fallback."""

@@ -9,6 +9,12 @@ from cagflow.router import apikeys
 from cagflow.router.apikeys import ApiKeyStore
 
 
+# The REST API's answer record, as the README documents it; ``ask --local --json`` prints the same.
+ANSWER_FIELDS = {"answer", "answered", "decline_reason", "route", "route_reason", "cache_hit", "fallback_reason",
+                 "snapshot", "citations", "suggestions", "unsupported_figures", "scope_score", "best_score",
+                 "answer_source", "release_id", "finish_reason", "timings_ms", "tokens", "request_id"}
+
+
 def run(capsys, *argv):
     code = main(list(argv))
     out, err = capsys.readouterr()
@@ -68,11 +74,14 @@ def test_precompute_ask_and_rollback(capsys, tmp_path, monkeypatch, tiny_model_d
     code, out, _ = run(capsys, "ask", "Which port does the web console use?", "--doc-id", "skerry-admin-manual",
                        "--json", "--max-new-tokens", "8", "--local")
     cached = json.loads(out)
-    assert code == 0 and cached["route"] == "cache" and cached["reused_tokens"] > 1000
+    assert code == 0 and cached["route"] == "cache" and cached["tokens"]["reused"] > 1000
+    assert set(cached) == ANSWER_FIELDS  # the API's answer record (tests/integration/test_router.py)
+    assert cached["snapshot"]["doc_id"] == "skerry-admin-manual" and cached["release_id"] == first_release
     code, out, _ = run(capsys, "ask", "Which port does the web console use?", "--doc-id", "skerry-admin-manual",
                        "--json", "--no-cache", "--max-new-tokens", "8", "--local")
     full = json.loads(out)
-    assert full["route"] == "full" and full["token_ids"] == cached["token_ids"]
+    assert full["route"] == "full" and full["tokens"]["reused"] == 0
+    assert (full["answer"], full["tokens"]["generated"]) == (cached["answer"], cached["tokens"]["generated"])
 
     code, _, err = run(capsys, "ask", "What?", "--doc-id", "no-such-doc", "--local")
     assert code == 2 and "not in the active release" in err
