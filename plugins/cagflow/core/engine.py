@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -202,19 +202,22 @@ class Engine:
     # ---- snapshots -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def precompute(self, part: DocumentPart) -> Snapshot:
-        """One forward pass over the document prefix; its KV tensors become the snapshot."""
+    def precompute(self, part: DocumentPart, on_progress: Callable[[int, int], None] | None = None) -> Snapshot:
+        """One forward pass over the document prefix; its KV tensors become the snapshot. ``on_progress(done,
+        total)`` hears the prefix tokens computed (after each block on the int8 engine, at the end otherwise)."""
         prefix_ids = self.prompts.prefix_ids(part.system)
         if len(prefix_ids) > self.prefix_budget:
             raise PromptError(f"{part.doc_id}: {len(prefix_ids)} prefix tokens exceed the budget of "
                               f"{self.prefix_budget}; split the document first")
         if self.fast is not None:
-            keys, values = self.fast.prefill_prefix(prefix_ids)
+            keys, values = self.fast.prefill_prefix(prefix_ids, on_progress)
         else:
             cache = self.model(input_ids=torch.tensor([prefix_ids]), cache=DynamicCache(config=self.config),
                                use_cache=True).cache
             keys = [layer.keys[0] for layer in cache.layers]
             values = [layer.values[0] for layer in cache.layers]
+            if on_progress is not None:
+                on_progress(len(prefix_ids), len(prefix_ids))
         return Snapshot(part.doc_id, part.doc_version, part.part, self.fingerprint, prefix_ids, keys, values,
                         title=part.title, system_prompt=part.system)
 

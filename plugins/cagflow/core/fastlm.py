@@ -53,7 +53,7 @@ import time
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -572,9 +572,10 @@ class FastLM:
     # ---- public API ----
 
     @torch.inference_mode()
-    def prefill_prefix(self, token_ids: Sequence[int]) -> PrefixKV:
+    def prefill_prefix(self, token_ids: Sequence[int],
+                       on_block: Callable[[int, int], None] | None = None) -> PrefixKV:
         """The snapshot of a document prefix: per layer K and V ``[kv_heads, T, head_dim]`` bf16 (contiguous),
-        computed in blocks of ``prefill_block`` tokens from position 0."""
+        computed in blocks of ``prefill_block`` tokens from position 0; ``on_block(done, total)`` hears each."""
         c = self.config
         n = len(token_ids)
         if n == 0:
@@ -588,6 +589,8 @@ class FastLM:
             prefix = ([k[:, :begin] for k in keys], [v[:, :begin] for v in values]) if begin else None
             self._block(ids[None, begin:end], prefix, [k[None, :, begin:end] for k in keys],
                         [v[None, :, begin:end] for v in values], zero)
+            if on_block is not None:
+                on_block(end, n)
         return keys, values
 
     @torch.inference_mode()

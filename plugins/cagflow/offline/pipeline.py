@@ -389,7 +389,7 @@ def plan_snapshot_parts(doc_ids: Sequence[str] | None = None, force: bool = Fals
 def _precompute_locally(part: dict, force: bool, config: Config) -> tuple[dict, bool, float]:
     from ..core.documents import Section
     from ..core.engine import DocumentPart
-    from .precompute import precompute_part
+    from .precompute import precompute_part, progress_line
 
     engine = engine_for(config)
     if engine.fingerprint != part["model_fingerprint"]:
@@ -397,7 +397,12 @@ def _precompute_locally(part: dict, force: bool, config: Config) -> tuple[dict, 
                                     f"worker runs {engine.fingerprint[:16]}; rerun the whole DAG")
     document_part = DocumentPart(part["doc_id"], part["doc_version"], part["title"],
                                  tuple(Section(heading, text) for heading, text in part["sections"]), part["part"])
-    result = precompute_part(engine, snapshot_store(config), document_part, force)
+    started = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        log.info("%s", progress_line(part["label"], done, total, time.perf_counter() - started))
+
+    result = precompute_part(engine, snapshot_store(config), document_part, force, progress)
     return result.entry.model_dump(), result.skipped, result.seconds
 
 

@@ -80,10 +80,20 @@ def store_snapshot(store: SnapshotStore, snapshot: Snapshot) -> tuple[ReleaseEnt
     return _entry(key, snapshot.title, snapshot.n_tokens, snapshot.created_at, data, info.sha256), True
 
 
-def precompute_part(engine: Engine, store: SnapshotStore, part: DocumentPart, force: bool = False) -> PrecomputeResult:
+def progress_line(label: str, done: int, total: int, seconds: float, width: int = 20) -> str:
+    """``label [#######.............] 1024/2923 tokens · 52 tok/s · ETA 36 s``: one line of a log."""
+    filled = width * done // total if total else width
+    rate = done / seconds if seconds > 0 else 0.0
+    eta = f"ETA {(total - done) / rate:.0f} s" if rate and done < total else f"done in {seconds:.1f} s"
+    return f"{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} tokens · {rate:,.0f} tok/s · {eta}"
+
+
+def precompute_part(engine: Engine, store: SnapshotStore, part: DocumentPart, force: bool = False,
+                    on_progress: Callable[[int, int], None] | None = None) -> PrecomputeResult:
     """Compute and store one part's snapshot unless a verified one is already there.
 
-    ``force`` recomputes, but never overwrites: a stored version is immutable.
+    ``force`` recomputes, but never overwrites: a stored version is immutable. ``on_progress(done, total)``
+    hears the prefill's progress in tokens.
     """
     started = time.perf_counter()
     key = SnapshotKey.for_model(part.doc_id, part.doc_version, engine.fingerprint, part.part)
@@ -91,7 +101,7 @@ def precompute_part(engine: Engine, store: SnapshotStore, part: DocumentPart, fo
         existing = _existing(store, key)
         if existing is not None:
             return PrecomputeResult(existing, True, time.perf_counter() - started)
-    entry, written = store_snapshot(store, engine.precompute(part))
+    entry, written = store_snapshot(store, engine.precompute(part, on_progress))
     return PrecomputeResult(entry, not written, time.perf_counter() - started)
 
 

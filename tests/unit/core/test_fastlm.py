@@ -78,6 +78,16 @@ def test_cache_equals_full_prompt(tiny):
     assert torch.equal(lm.logits(snapshot, prompt[split:]), lm.logits(lm.prefill_prefix(prompt[:split]), prompt[split:]))
 
 
+def test_prefill_reports_each_block_and_computes_the_same(tiny):
+    lm, _ = tiny
+    prompt = _ids(300, 3)
+    heard = []
+    keys, values = lm.prefill_prefix(prompt, on_block=lambda done, total: heard.append((done, total)))
+    assert heard == [(128, 300), (256, 300), (300, 300)]
+    plain_keys, plain_values = lm.prefill_prefix(prompt)
+    assert all(torch.equal(a, b) for a, b in zip(keys + values, plain_keys + plain_values))
+
+
 def test_block_boundaries_only_change_rounding(tiny):
     """One big block vs several blocks: not bitwise (different attention chunks), but close."""
     lm, _ = tiny
