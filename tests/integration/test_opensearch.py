@@ -193,3 +193,22 @@ def test_refused_port_raises_unavailable_quickly(embedder):
         with pytest.raises(RetrievalUnavailable, match="unavailable after"):
             index.search("annual leave", mode=SearchMode.BM25)
         assert time.monotonic() - started < 2.0 + 1.0
+
+
+def test_doctor_sees_a_missing_index_and_empty_tiers_on_a_real_node(opensearch_url, embedder, monkeypatch):
+    from cagflow.client.doctor import retrieval_fallback_fails
+    from cagflow.config import load_config
+
+    alias = f"it-doctor-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("CAGFLOW__RETRIEVAL__ENDPOINT", opensearch_url)
+    monkeypatch.setenv("CAGFLOW__RETRIEVAL__INDEX", alias)
+    missing = retrieval_fallback_fails(load_config())
+    assert missing.status == "fail" and f"index alias {alias!r} missing" in missing.detail
+
+    with ChunkIndex(opensearch_url, alias, timeout_s=30, embedder=embedder) as index:
+        index.ensure_index()
+        index.upsert([chunk for chunk in CHUNKS if chunk.tier == "fixed"])
+        empty = retrieval_fallback_fails(load_config())
+        assert empty.status == "warn" and "6 fixed chunks, 0 variable chunks" in empty.detail
+        index.upsert([chunk for chunk in CHUNKS if chunk.tier == "variable"])
+    assert retrieval_fallback_fails(load_config()).status == "ok"

@@ -214,6 +214,21 @@ def cmd_model(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace, config: Config) -> int:
+    """Each row of the troubleshooting table with its verdict and fix; exit 1 when a row fails."""
+    from .doctor import diagnose
+
+    verdicts = diagnose(config)
+    if args.json:
+        print(json.dumps([verdict.to_dict() for verdict in verdicts], indent=2))
+    else:
+        for verdict in verdicts:
+            print(f"{verdict.status.upper():5} {verdict.symptom}: {verdict.detail}")
+            if verdict.fix and verdict.status != "ok":
+                print(f"      fix: {verdict.fix}")
+    return 1 if any(verdict.status == "fail" for verdict in verdicts) else 0
+
+
 def cmd_config(args: argparse.Namespace, config: Config) -> int:
     print(json.dumps(config.model_dump(), indent=2))
     return 0
@@ -357,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("action", nargs="?", choices=("prepare",), default="prepare",
                        help="prepare (the default): safe to run in several processes at once")
     model.set_defaults(run=cmd_model)
+
+    doctor = commands.add_parser("doctor", help="check the setup against the README's troubleshooting table: "
+                                                "a verdict and a fix per row (exit 1 when one fails)")
+    doctor.add_argument("--json", action="store_true", help="one JSON object per row")
+    doctor.set_defaults(run=cmd_doctor)
 
     show = commands.add_parser("config", help="print the effective configuration")
     show.set_defaults(run=cmd_config)
