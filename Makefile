@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.cagflow-deps
 PYTEST_ARGS ?=
 
-.PHONY: install run stop test test-unit help
+.PHONY: install browser run stop test test-unit help
 
 help:
 	@echo "make run   - install, start OpenSearch, Triton, Airflow and the REST API, run the ingest and precompute"
@@ -75,7 +75,13 @@ stop:
 	-$(BIN)/cagflow triton down
 	-$(BIN)/cagflow opensearch down
 
-test: install
+# The Airflow UI test drives Debian's headless Chromium through ChromeDriver: installed here when missing.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
+	  echo "make test: the Airflow UI test needs Debian's chromium and chromium-driver (apt-get install as root)"
+
+test: install browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-unit: install

@@ -5,12 +5,18 @@ command line."""
 
 from __future__ import annotations
 
+import base64
+import json
+import os
+import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 from cagflow.devstack.airflow import LocalAirflow, main
+from cagflow.devstack.process import free_port
 from cagflow.store.backends import LocalStore
 from cagflow.store.manifests import load_release
 
@@ -18,9 +24,120 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 DAG_ID = "cag_fixed_precompute"
+DAG_IDS = {"cag_fixed_precompute": ("plan_parts", "publish_release"),  # each DAG with tasks its page must show
+           "cag_snapshot_maintenance": ("verify_active_release", "collect_garbage"),
+           "cag_variable_ingest": ("embed", "index")}
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"  # Debian's chromium, chromium-driver
 
 
-def test_a_run_triggered_through_the_rest_api_succeeds(tmp_path, tiny_model_dir, opensearch_url, corpus):
+@pytest.fixture
+def artifacts() -> Path:
+    """Where screenshots are kept after the run: $CAGFLOW_TEST_ARTIFACTS, else test-artifacts/ here."""
+    path = Path(os.environ.get("CAGFLOW_TEST_ARTIFACTS", REPO / "test-artifacts")) / "airflow-ui"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class Browser:
+    """Headless Chromium driven through ChromeDriver's W3C WebDriver protocol (plain HTTP + JSON)."""
+
+    ELEMENT = "element-6066-11e4-a52e-4f735466cecf"
+
+    def __init__(self, profile: Path):
+        self.port = free_port()
+        self.driver = subprocess.Popen([CHROMEDRIVER, f"--port={self.port}"], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self._call("GET", "/status")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        # Without the background-networking flags Chromium keeps dialling Google's hosts on a closed network.
+        args = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                f"--user-data-dir={profile}", "--window-size=1400,1000"]
+        options = {"binary": CHROMIUM, "args": args}
+        self.session = self._call("POST", "/session", {"capabilities": {"alwaysMatch": {
+            "browserName": "chrome", "goog:chromeOptions": options}}})["sessionId"]
+
+    def _call(self, method: str, path: str, body: dict | None = None):
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", method=method,
+                                         data=json.dumps(body).encode() if body is not None else None,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())["value"]
+
+    def _session(self, method: str, path: str, body: dict | None = None):
+        return self._call(method, f"/session/{self.session}{path}", body)
+
+    def open(self, url: str) -> None:
+        self._session("POST", "/url", {"url": url})
+
+    def element(self, css: str, timeout_s: float = 30) -> str:
+        deadline = time.monotonic() + timeout_s
+        while not (found := self._session("POST", "/elements", {"using": "css selector", "value": css})):
+            assert time.monotonic() < deadline, f"no {css!r} on {self._session('GET', '/url')}"
+            time.sleep(0.25)
+        return found[0][self.ELEMENT]
+
+    def type(self, css: str, text: str) -> None:
+        self._session("POST", f"/element/{self.element(css)}/value", {"text": text})
+
+    def click(self, css: str) -> None:
+        self._session("POST", f"/element/{self.element(css)}/click", {})
+
+    def wait_for_text(self, *texts: str, timeout_s: float = 30) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            page = self._session("POST", "/execute/sync", {"script": "return document.body.innerText", "args": []})
+            if all(text in page for text in texts):
+                return page
+            assert time.monotonic() < deadline, f"{texts} not on {self._session('GET', '/url')}: {page[:300]}"
+            time.sleep(0.5)
+
+    def screenshot(self, path: Path) -> Path:
+        path.write_bytes(base64.b64decode(self._session("GET", "/screenshot")))
+        return path
+
+    def close(self) -> None:
+        try:
+            self._session("DELETE", "")
+        finally:
+            self.driver.terminate()
+            self.driver.wait(timeout=30)
+
+
+def look_at_the_ui(airflow: LocalAirflow, artifacts: Path, profile: Path) -> list[Path]:
+    """Log in as an operator would, open the DAG list and each DAG; a screenshot of every page."""
+    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+        pytest.fail("headless Chromium is missing: apt-get install chromium chromium-driver (make test does)")
+    user, password = airflow.credentials()
+    browser = Browser(profile)
+    try:
+        browser.open(f"{airflow.url}/")
+        browser.wait_for_text("Sign into Airflow")
+        browser.type("input[name=username]", user)
+        browser.type("input[name=password]", password)
+        browser.click("button[type=submit]")
+        browser.wait_for_text("Health", "Scheduler")
+        browser.open(f"{airflow.url}/dags")
+        browser.wait_for_text("3 Dags", *DAG_IDS)
+        shots = [browser.screenshot(artifacts / "dags.png")]
+        for dag_id, tasks in DAG_IDS.items():
+            browser.open(f"{airflow.url}/dags/{dag_id}")
+            browser.wait_for_text(dag_id, "Schedule", "Latest Run", *tasks)
+            shots.append(browser.screenshot(artifacts / f"{dag_id}.png"))
+        return shots
+    finally:
+        browser.close()
+
+
+def test_a_run_triggered_through_the_rest_api_succeeds(tmp_path, tiny_model_dir, opensearch_url, corpus, artifacts,
+                                                      record_property):
     home, store_dir = tmp_path / "airflow", tmp_path / "store"
     settings = {
         "CAGFLOW__MODEL__PATH": str(tiny_model_dir),
@@ -65,6 +182,17 @@ def test_a_run_triggered_through_the_rest_api_succeeds(tmp_path, tiny_model_dir,
                                                               "to_date": "2026-11-23T00:00:00Z"})
         planned = [b["logical_date"] for b in backfill["backfills"]]
         assert planned == [f"2026-11-{day}T02:00:00Z" for day in (20, 21, 22)]  # at the default 02:00 cron
+
+        # A real backfill over two dates: nothing changed, so each run plans nothing and publishes nothing.
+        objects = {info.name: info.modified for info in LocalStore(store_dir).list()}
+        runs = airflow.backfill(DAG_ID, "2026-11-20T00:00:00Z", "2026-11-21T23:59:59Z")
+        assert [(run["logical_date"], run["state"]) for run in runs] == [
+            ("2026-11-20T02:00:00Z", "success"), ("2026-11-21T02:00:00Z", "success")]
+        assert load_release(LocalStore(store_dir)) == release
+        assert {info.name: info.modified for info in LocalStore(store_dir).list()} == objects
+
+        screenshots = look_at_the_ui(airflow, artifacts, tmp_path / "chromium-profile")
+        record_property("airflow_ui_screenshots", ", ".join(str(path) for path in screenshots))
 
         assert main(["--home", str(home), "status"]) == 0
         assert len(airflow.processes()) >= 5  # a shell, the four components and their workers
