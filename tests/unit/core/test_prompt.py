@@ -1,6 +1,6 @@
 import pytest
-from cagflow.core.prompt import (EmptyQuestionError, Passage, PromptBuilder, PromptError, document_system,
-                                 passages_system)
+from cagflow.core.prompt import (PASSAGES_INSTRUCTION, EmptyQuestionError, Passage, PromptBuilder, PromptError,
+                                 document_system, passages_system)
 
 AWKWARD_QUESTIONS = [
     "What port?",
@@ -47,6 +47,7 @@ def test_foreign_prefix_ids_are_refused(builder):
         builder.tokenize(system, "What?", prefix_ids=wrong)
 
 
-def test_passages_are_numbered_with_their_source():
-    text = passages_system([Passage("Port 8443.", "Manual", "Ports"), Passage("Ten days.")])
-    assert "[1] Manual — Ports\nPort 8443." in text and "[2] Ten days." in text
+def test_passages_read_as_sections_headed_by_their_source_without_dates():
+    text = passages_system([Passage("Port 8443.", "Manual", "Ports", published="2024-12-16"), Passage("Ten days.")])
+    assert text.startswith(PASSAGES_INSTRUCTION + "\n\n## ")
+    assert "\n\n## Manual — Ports\nPort 8443.\n\nTen days." in text and "2024-12-16" not in text
