@@ -107,3 +107,15 @@ def test_importing_does_not_load_the_model_stack(modules):
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                        text=True).stdout)
     assert loaded == []
+
+
+def test_asking_the_api_from_the_command_line_loads_no_server_stack():
+    """`cagflow ask` (the CLI, its key from router.apikeys, the API client) starts in well under a second:
+    none of the router's server side (Flask, OpenSearch client, embedder) is imported."""
+    server_side = ("flask", "opensearchpy", "sentence_transformers", "cagflow.router.app", "cagflow.router.routing")
+    code = ("import json, sys\nimport cagflow.client.cli, cagflow.client.api_client, cagflow.router.apikeys\n"
+            f"print(json.dumps(sorted(m for m in sys.modules if m in {server_side!r} or m.split('.')[0] in "
+            f"{server_side!r})))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                       text=True).stdout)
+    assert loaded == []
