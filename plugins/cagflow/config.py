@@ -42,14 +42,14 @@ class ServiceConfig(_Section):
     triton_metrics_url: str | None = "http://127.0.0.1:8002/metrics"  # resident snapshots for /readyz; None: skip
     triton_timeout_s: float = Field(120.0, gt=0)
     retries: int = Field(1, ge=0, le=5)  # extra attempts on connection errors to Triton and OpenSearch
-    in_scope_threshold: float = Field(0.332, ge=-1.0, le=1.0)  # see cagflow.search.scope; `cagflow bench routing`
+    in_scope_threshold: float = Field(0.83, ge=-1.0, le=1.0)  # see cagflow.search.scope; `cagflow bench routing`
     # Below this cosine similarity to every chunk, retrieval declines without asking the model
     # (cagflow.search.scope; `cagflow bench routing` calibrates it on half of the sample questions).
-    answerable_threshold: float = Field(0.282, ge=-1.0, le=1.0)
+    answerable_threshold: float = Field(0.832, ge=-1.0, le=1.0)
     # cache+retrieval: a newer passage joins a snapshot when it is at most this much less similar to the
     # question than the document's closest chunk (and at least answerable_threshold). Larger: more
     # questions pay the passages' prefill for little. See README "REST API".
-    update_margin: float = Field(0.1, ge=0.0, le=2.0)
+    update_margin: float = Field(0.03, ge=0.0, le=2.0)
     api_keys_file: str = str(CACHE_HOME / "api-keys.json")  # hashed keys only, never the keys themselves
     rate_limit_per_s: float = Field(5.0, gt=0)  # per API key, token bucket refill
     rate_limit_burst: int = Field(20, ge=1)

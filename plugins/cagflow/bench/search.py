@@ -11,7 +11,7 @@ from ..config import Config
 from ..core.qa import QAItem, load_qa
 
 RECALL_KS = (1, 3, 5, 8)
-ROUTING_THRESHOLDS = (0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6)
+ROUTING_THRESHOLDS = (0.8, 0.82, 0.84, 0.86, 0.88, 0.9, 0.92)  # e5 cosines: related text scores 0.85 and up
 RETRIEVAL_SETUPS = (("bm25", "bm25", None), ("vector", "vector", None), ("hybrid min-max", "hybrid", "min_max"),
                     ("hybrid rrf", "hybrid", "rrf"))
 
@@ -42,9 +42,18 @@ def _first_relevant_rank(hits, item: QAItem, answer_bearing: bool) -> int | None
     return None
 
 
+def _recall(document_ranks, answer_ranks) -> dict:
+    """recall@k of the answering document and of a chunk holding the answer, from first-relevant ranks."""
+    return {"document_recall": {k: sum(r is not None and r <= k for r in document_ranks) / len(document_ranks)
+                                for k in RECALL_KS},
+            "answer_chunk_recall": {k: sum(r is not None and r <= k for r in answer_ranks) / len(answer_ranks)
+                                    for k in RECALL_KS}}
+
+
 def retrieval_recall(config: Config, qa_path: Path) -> dict:
     """recall@k of BM25, vector and hybrid search on the sample questions that a document answers."""
     items = [item for item in load_qa(qa_path) if item.doc_id]
+    languages = sorted({item.language for item in items})
     index, n_chunks = _index_corpus(config, f"{config.retrieval.index}-bench")
     backend = index.describe()
     results = {}
@@ -58,16 +67,16 @@ def retrieval_recall(config: Config, qa_path: Path) -> dict:
                 latencies.append(time.perf_counter() - started)
                 document_ranks.append(_first_relevant_rank(hits, item, answer_bearing=False))
                 answer_ranks.append(_first_relevant_rank(hits, item, answer_bearing=True))
-            results[label] = {
-                "document_recall": {k: sum(r is not None and r <= k for r in document_ranks) / len(items)
-                                    for k in RECALL_KS},
-                "answer_chunk_recall": {k: sum(r is not None and r <= k for r in answer_ranks) / len(items)
-                                        for k in RECALL_KS},
-                "p50_ms": statistics.median(latencies) * 1000,
-            }
+            results[label] = {**_recall(document_ranks, answer_ranks), "p50_ms": statistics.median(latencies) * 1000,
+                              "by_language": {language: _recall(*zip(*[(d, a) for item, d, a in
+                                                                       zip(items, document_ranks, answer_ranks)
+                                                                       if item.language == language]))
+                                              for language in languages}}
     finally:
         index.close()
     return {"questions": len(items), "chunks": n_chunks, "opensearch": backend.version,
+            "questions_by_language": {language: sum(item.language == language for item in items)
+                                      for language in languages},
             "hybrid_runs_on": {fusion: index.hybrid_runs_on(fusion) for fusion in ("min_max", "rrf")},
             "results": results}
 
@@ -79,9 +88,11 @@ def print_retrieval_table(report: dict) -> None:
     print(f"{'mode':<16}{'document recall':<{len(header)}}  |{'answer-chunk recall':<{len(header)}}  | p50 ms")
     print(f"{'':<16}{header}  |{header}  |")
     for label, row in report["results"].items():
-        docs = "".join(f"  {row['document_recall'][k]:<6.2f}" for k in RECALL_KS)
-        answers = "".join(f"  {row['answer_chunk_recall'][k]:<6.2f}" for k in RECALL_KS)
-        print(f"{label:<16}{docs}  |{answers}  | {row['p50_ms']:.1f}")
+        for language, recall in [("", row), *row.get("by_language", {}).items()]:
+            docs = "".join(f"  {recall['document_recall'][k]:<6.2f}" for k in RECALL_KS)
+            answers = "".join(f"  {recall['answer_chunk_recall'][k]:<6.2f}" for k in RECALL_KS)
+            name = f"  {language} ({report['questions_by_language'][language]})" if language else label
+            print(f"{name:<16}{docs}  |{answers}  |" + ("" if language else f" {row['p50_ms']:.1f}"))
 
 
 def routing_calibration(config: Config, qa_path: Path) -> dict:
@@ -97,7 +108,7 @@ def routing_calibration(config: Config, qa_path: Path) -> dict:
     try:
         detector = ScopeDetector(index, config.service.in_scope_threshold)
         cacheable = detector.refresh()
-        vectors = index.embedder.encode([item.question for item in items])
+        vectors = index.embedder.encode_queries([item.question for item in items])
         latencies, matches = [], []
         for vector in vectors:
             started = time.perf_counter()
@@ -140,6 +151,15 @@ def routing_calibration(config: Config, qa_path: Path) -> dict:
             "answerable_held_out": asdict(evaluate_answerability(held_out, matched(held_out), answerable.threshold)),
             "answerable_held_out_at_configured": asdict(evaluate_answerability(
                 held_out, matched(held_out), config.service.answerable_threshold)),
+            "held_out_by_language": {
+                language: {
+                    "routing": asdict(evaluate([i for i in routed_held_out if i.language == language],
+                                               matched([i for i in routed_held_out if i.language == language]),
+                                               calibration.threshold)),
+                    "answerability": asdict(evaluate_answerability(
+                        [i for i in held_out if i.language == language],
+                        matched([i for i in held_out if i.language == language]), answerable.threshold))}
+                for language in sorted({item.language for item in items})},
             "misrouted_at_calibrated": misrouted}
 
 
@@ -160,6 +180,12 @@ def print_routing_table(report: dict) -> None:
           f"calibration half precision {calibration['chosen']['precision']:.3f} recall "
           f"{calibration['chosen']['recall']:.3f}; {len(report['misrouted_at_calibrated'])} answerable questions "
           "misrouted there")
+    for language, row in report.get("held_out_by_language", {}).items():
+        routing, answerability = row["routing"], row["answerability"]
+        print(f"  held out, {language}: routing precision {routing['precision']:.3f} recall {routing['recall']:.3f} "
+              f"F1 {routing['f1']:.3f} doc acc {routing['doc_accuracy']:.3f}; answerability keeps "
+              f"{answerability['answerable_kept']:.0%} of answerable, declines "
+              f"{answerability['unanswerable_declined']:.0%} of unanswerable")
     chosen, held = report["answerable_calibration"], report["answerable_held_out"]
     configured = report["answerable_held_out_at_configured"]
     print(f"answerability: calibrated threshold {chosen['threshold']:.3f} (the highest keeping >= 98% of answerable "

@@ -4,8 +4,9 @@ No OpenSearch package exists on PyPI or Debian, but Maven Central serves the min
 (``org.opensearch.distribution.integ-test-zip``) and the plugin zips. The 2.19.1 line is the one where
 k-NN *and* neural-search are both published, so the hybrid query and its normalization pipelines run
 server-side. Its minimal distribution holds only the transport module, so the two modules the project
-needs are rebuilt from their published jars: ``lang-painless`` (k-NN extends it) and ``reindex``
-(delete-by-query).
+needs are rebuilt from their published jars: ``lang-painless`` (k-NN extends it), ``reindex``
+(delete-by-query) and ``analysis-common`` (the CJK bigram and English stemming filters of the text
+analyzer, see ``cagflow.search.retrieval``).
 
 Everything is fetched once into ``~/.cache/cagflow/opensearch`` (``CAGFLOW_OPENSEARCH_CACHE``
 overrides it); each node keeps its config, data and logs in a directory its caller chooses.
@@ -62,6 +63,7 @@ class _JarModule:
     classname: str
     description: str
     security_policy: str = ""
+    extended_plugins: str = ""
 
     def descriptor(self) -> str:
         return "\n".join([
@@ -71,7 +73,7 @@ class _JarModule:
             f"classname={self.classname}",
             "java.version=11",
             f"opensearch.version={OPENSEARCH_VERSION}",
-            "extended.plugins=",
+            f"extended.plugins={self.extended_plugins}",
             "has.native.controller=false",
             "",
         ])
@@ -95,6 +97,13 @@ _JAR_MODULES = (
         artifact="reindex-client",
         classname="org.opensearch.index.reindex.ReindexPlugin",
         description="Reindex, update-by-query and delete-by-query",
+    ),
+    _JarModule(
+        name="analysis-common",
+        artifact="analysis-common",
+        classname="org.opensearch.analysis.common.CommonAnalysisPlugin",
+        description="Adds analysis components: CJK bigrams, stemmers, character width folding and more",
+        extended_plugins="lang-painless",  # it adds analysis functions to painless, as the shipped module does
     ),
 )
 

@@ -153,7 +153,7 @@ def source_digest(document: dict, config: Config) -> str:
     again. An unreadable file gets no digest (parsing reports it)."""
     from ..core.documents import PARSER_VERSION
     from ..search.chunking import CHUNKING_VERSION
-    from ..search.embeddings import bundled_model_path
+    from ..search.embeddings import MODEL_ID
 
     try:
         digest = hashlib.sha256(Path(document["path"]).read_bytes())
@@ -161,7 +161,7 @@ def source_digest(document: dict, config: Config) -> str:
         return ""
     fields = {key: document.get(key) or "" for key in ("doc_id", "version", "tier", "title", "published")}
     made_by = {"parser": PARSER_VERSION, "chunker": CHUNKING_VERSION, "chunk_tokens": config.retrieval.chunk_tokens,
-               "overlap_tokens": config.retrieval.chunk_overlap_tokens, "embedder": bundled_model_path().name}
+               "overlap_tokens": config.retrieval.chunk_overlap_tokens, "embedder": MODEL_ID}
     digest.update(json.dumps([fields, made_by], sort_keys=True).encode())
     return digest.hexdigest()
 
@@ -259,12 +259,6 @@ def check_chunks(parsed: Sequence[dict], chunks: Sequence[dict], config: Config 
     return {"documents": len(changed), "chunks": len(chunks)}
 
 
-def embedding_text(chunk: dict) -> str:
-    """What gets embedded: the chunk under its document title and section, which carry its topic."""
-    heading = " — ".join(part for part in (chunk["title"], chunk["section"]) if part)
-    return f"{heading}\n{chunk['text']}" if heading else chunk["text"]
-
-
 def encode_vector(vector: np.ndarray) -> str:
     """float32 vector as base64: exact, and a quarter of the size of a JSON list in an XCom."""
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
@@ -276,12 +270,13 @@ def decode_vector(text: str) -> np.ndarray:
 
 def embed_chunks(chunks: Sequence[dict]) -> list[dict]:
     from ..search.embeddings import get_embedder
+    from ..search.retrieval import embedding_text
 
     if not chunks:  # nothing changed: the model is not even loaded
         return []
 
     started = time.perf_counter()
-    vectors = get_embedder().encode([embedding_text(chunk) for chunk in chunks])
+    vectors = get_embedder().encode([embedding_text(c["title"], c["section"], c["text"]) for c in chunks])
     seconds = time.perf_counter() - started
     log.info("embedded %d chunk(s) in %.1f s (%.0f chunks/s)", len(chunks), seconds, len(chunks) / max(seconds, 1e-9))
     return [{**chunk, "embedding": encode_vector(vector)} for chunk, vector in zip(chunks, vectors)]

@@ -1,7 +1,9 @@
 """Chunk retrieval over OpenSearch: BM25, k-NN and hybrid search behind one small client.
 
 Chunks live in a versioned physical index reached through an alias, so a full rebuild switches readers
-atomically. Hybrid search runs server-side (``hybrid`` query plus a normalization or RRF search pipeline)
+atomically. The index records its schema (text analyzer, embedding model and vector size): when either
+changes, the next ingest builds a new index from the old one's chunks, re-embedded when the model changed,
+and switches the alias to it, so vectors of two models never meet in one index. Hybrid search runs server-side (``hybrid`` query plus a normalization or RRF search pipeline)
 when the neural-search plugin is installed; otherwise a BM25 and a k-NN query are fused here with the
 same arithmetic, kept as pure functions below.
 
@@ -13,9 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
@@ -24,7 +27,9 @@ from opensearchpy.exceptions import ConnectionError as TransportConnectionError
 from opensearchpy.exceptions import TransportError
 
 from ..errors import CagflowError
-from .embeddings import EMBEDDING_DIMENSION, Embedder, get_embedder
+from .embeddings import Embedder, get_embedder
+
+log = logging.getLogger(__name__)
 
 TIERS = ("fixed", "variable")
 HYBRID_MODES = ("auto", "server", "client")
@@ -78,10 +83,12 @@ class Chunk:
             raise ValueError("a chunk needs a chunk_id and a doc_id")
         if self.tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {self.tier!r}")
-        if self.embedding is not None and len(self.embedding) != EMBEDDING_DIMENSION:
-            raise ValueError(
-                f"chunk {self.chunk_id}: embedding has {len(self.embedding)} dimensions, not {EMBEDDING_DIMENSION}"
-            )
+
+
+def embedding_text(title: str, section: str, text: str) -> str:
+    """What gets embedded: the chunk under its document title and section, which carry its topic."""
+    heading = " — ".join(part for part in (title, section) if part)
+    return f"{heading}\n{text}" if heading else text
 
 
 @dataclass(frozen=True)
@@ -173,9 +180,27 @@ def reciprocal_rank_fusion(rankings: Sequence[Sequence[str]], rank_constant: int
 # --- Request bodies (pure) -------------------------------------------------------------------------
 
 
-def index_body(shards: int = 1, replicas: int = 0) -> dict[str, Any]:
-    return {
-        "settings": {"index": {"knn": True, "number_of_shards": shards, "number_of_replicas": replicas}},
+# One analyzer for English and Chinese text, so a collection in both languages needs no per-document
+# setting: the standard tokenizer splits Han text into single characters, which ``cjk_bigram`` joins into
+# overlapping pairs (a word of two characters is found whole, and no dictionary is needed), while Latin
+# words are lower-cased and stemmed ("backups" finds "backup"). ``cjk_width`` folds full-width Latin and
+# digits ("９４４３") into their ASCII forms.
+TEXT_ANALYZER = {
+    "tokenizer": "standard",
+    "filter": ["cjk_width", "lowercase", "cjk_bigram", "english_possessive_stemmer", "porter_stem"],
+}
+
+
+def index_body(dimension: int, embedder_id: str, shards: int = 1, replicas: int = 0) -> dict[str, Any]:
+    text = {"type": "text", "analyzer": "cagflow_text"}
+    body = {
+        "settings": {
+            "index": {"knn": True, "number_of_shards": shards, "number_of_replicas": replicas},
+            "analysis": {
+                "analyzer": {"cagflow_text": TEXT_ANALYZER},
+                "filter": {"english_possessive_stemmer": {"type": "stemmer", "language": "possessive_english"}},
+            },
+        },
         "mappings": {
             "dynamic": "strict",
             "properties": {
@@ -185,17 +210,29 @@ def index_body(shards: int = 1, replicas: int = 0) -> dict[str, Any]:
                 "version": {"type": "keyword"},
                 "published": {"type": "keyword"},  # ISO dates compare as strings
                 "source_sha256": {"type": "keyword"},
-                "title": {"type": "text"},
-                "section": {"type": "text"},
-                "text": {"type": "text"},
+                "title": text,
+                "section": text,
+                "text": text,
                 "embedding": {
                     "type": "knn_vector",
-                    "dimension": EMBEDDING_DIMENSION,
+                    "dimension": dimension,
                     "method": {"name": "hnsw", "engine": "lucene", "space_type": "cosinesimil"},
                 },
             },
         },
     }
+    body["mappings"]["_meta"] = {"embedder": embedder_id}
+    body["mappings"]["_meta"]["schema"] = schema_id(body)
+    return body
+
+
+def schema_id(body: Mapping[str, Any]) -> str:
+    """What makes two indexes interchangeable: analysis settings, field mappings and the embedding model.
+    Shard and replica counts are left out (they change no search result)."""
+    mappings = {key: value for key, value in body["mappings"].items() if key != "_meta"}
+    embedder = body["mappings"].get("_meta", {}).get("embedder", "")
+    described = {"analysis": body["settings"].get("analysis"), "mappings": mappings, "embedder": embedder}
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def filter_clauses(tier: str | None = None, doc_id: str | None = None) -> list[dict[str, Any]]:
@@ -388,30 +425,43 @@ class ChunkIndex:
         if not self.describe().has_knn:
             raise RetrievalError(f"OpenSearch at {self.endpoint} has no {KNN_PLUGIN} plugin; vectors cannot be indexed")
         name = f"{self.alias}-{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        body = index_body()
+        body = self._index_body()
         if with_alias:
             body["aliases"] = {self.alias: {}}
         self._call("create index", self._client.indices.create, index=name, body=body)
         return name
 
+    def _index_body(self) -> dict[str, Any]:
+        return index_body(self.embedder.dimension, self.embedder.model_id)
+
+    def _meta(self, index: str) -> dict[str, Any]:
+        mapping = self._call("read mapping", self._client.indices.get_mapping, index=index)
+        return mapping[index]["mappings"].get("_meta") or {}
+
     def ensure_index(self) -> str:
-        """Create the first physical index behind the alias unless the alias exists; return its index."""
+        """Create the first physical index behind the alias unless the alias exists; return its index. An
+        index of another schema (an analyzer or embedding model since changed) is rebuilt first."""
         targets = self._alias_targets()
         if targets:
-            self._add_new_fields(targets[-1])
+            meta = self._meta(targets[-1])
+            wanted = self._index_body()["mappings"]["_meta"]
+            if meta.get("schema") != wanted["schema"]:
+                return self._migrate(reembed=meta.get("embedder") != wanted["embedder"])
             return targets[-1]
         if self._call("check index", self._client.indices.exists, index=self.alias):
             raise RetrievalError(f"'{self.alias}' is a concrete index, not an alias; delete it or pick another name")
         return self._create_physical_index(with_alias=True)
 
-    def _add_new_fields(self, index: str) -> None:
-        """An index made by an earlier version lacks fields added since (its mapping is strict): add them,
-        so upserts keep working without a rebuild."""
-        mapping = self._call("read mapping", self._client.indices.get_mapping, index=index)
-        known = mapping[index]["mappings"].get("properties", {})
-        missing = {name: spec for name, spec in index_body()["mappings"]["properties"].items() if name not in known}
-        if missing:
-            self._call("add fields", self._client.indices.put_mapping, index=index, body={"properties": missing})
+    def _migrate(self, reembed: bool) -> str:
+        """The chunks of the current index, in a new index of the current schema; their vectors computed
+        again when the embedding model differs (an index from before schemas were recorded counts as a
+        different model)."""
+        started = time.monotonic()
+        chunks = [replace(chunk, embedding=None) if reembed else chunk for chunk in self.scan()]
+        new_index = self.rebuild(chunks)
+        log.info("rebuilt %s as %s for the current schema: %d chunk(s)%s in %.1f s", self.alias, new_index,
+                 len(chunks), ", re-embedded" if reembed else "", time.monotonic() - started)
+        return new_index
 
     def rebuild(self, chunks: Iterable[Chunk]) -> str:
         """Load all chunks into a fresh index, then switch the alias to it in one atomic step."""
@@ -439,7 +489,8 @@ class ChunkIndex:
         for start in range(0, len(chunks), batch_size):
             batch = chunks[start : start + batch_size]
             missing = [chunk for chunk in batch if chunk.embedding is None]
-            computed = dict(zip((chunk.chunk_id for chunk in missing), self.embedder.encode([c.text for c in missing])))
+            computed = dict(zip((chunk.chunk_id for chunk in missing), self.embedder.encode(
+                [embedding_text(c.title, c.section, c.text) for c in missing])))
             lines: list[dict[str, Any]] = []
             for chunk in batch:
                 vector = chunk.embedding if chunk.embedding is not None else computed[chunk.chunk_id]
@@ -528,10 +579,10 @@ class ChunkIndex:
         if mode is SearchMode.BM25:
             return self._run_search({"size": top_k, "query": bm25_query(query, filters)})
         if vector is None:
-            vector = self.embedder.encode_one(query)
+            vector = self.embedder.encode_query(query)
+        depth = max(self.candidates, top_k)  # the graph search's beam: with k = top_k it misses close vectors
         if mode is SearchMode.VECTOR:
-            return self._run_search({"size": top_k, "query": knn_query(vector, top_k, filters)})
-        depth = max(self.candidates, top_k)
+            return self._run_search({"size": top_k, "query": knn_query(vector, depth, filters)})
         runs_on = self.hybrid_runs_on(fusion)
         if runs_on == "missing":
             raise RetrievalError(

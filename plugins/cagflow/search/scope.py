@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
-from .embeddings import EMBEDDING_DIMENSION
 from .retrieval import Chunk
 
 if TYPE_CHECKING:
@@ -67,7 +66,10 @@ def _unit_rows(matrix: np.ndarray) -> np.ndarray:
 
 
 def _matrix(vectors: list) -> np.ndarray:
-    return _unit_rows(np.asarray(vectors, dtype=np.float32).reshape(-1, EMBEDDING_DIMENSION))
+    """Rows of unit vectors, as wide as the embedding model makes them (no rows: an empty matrix)."""
+    if not len(vectors):
+        return np.empty((0, 0), dtype=np.float32)
+    return _unit_rows(np.asarray(vectors, dtype=np.float32).reshape(len(vectors), -1))
 
 
 def _best(matrix: np.ndarray, vector: np.ndarray) -> tuple[int, float]:
