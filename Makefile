@@ -32,7 +32,7 @@ TRITON_HTTP_PORT ?= 8000
 TRITON_GRPC_PORT ?= 8001
 TRITON_METRICS_PORT ?= 8002
 AIRFLOW_PORT ?= 8081
-DEMO_QUESTIONS ?= 6
+DEMO_QUESTIONS ?= 4  # per language: English, then Chinese
 
 # One step of `make run`: say what it does, run it, say how long it took, and note that for the summary.
 RUN_STEPS := $(VENV)/.make-run-steps

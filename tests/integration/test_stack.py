@@ -77,13 +77,15 @@ def test_invalid_configuration_is_reported_before_starting(router_env):
     assert cagflow(env, "router", "status").returncode == 3
 
 
-def test_demo_mixes_fixed_variable_and_unanswerable_questions():
+def test_demo_mixes_fixed_variable_and_unanswerable_questions_in_each_language():
     picked = pick_mixed_questions(QA_PATH, 6)
-    assert len(picked) == 6 and len({item.id for item in picked}) == 6
-    assert [item.in_scope for item in picked] == [True, False] * 3
-    assert len({item.doc_id for item in picked if item.in_scope}) == 3  # spread over the fixed documents
-    others = [item for item in picked if not item.in_scope]
-    assert any(item.doc_id for item in others) and any(item.doc_id is None for item in others)
+    assert len(picked) == 12 and len({item.id for item in picked}) == 12
+    assert [item.language for item in picked] == ["en"] * 6 + ["zh"] * 6
+    for language in (picked[:6], picked[6:]):
+        assert [item.in_scope for item in language] == [True, False] * 3
+        assert len({item.doc_id for item in language if item.in_scope}) >= 2  # spread over the fixed documents
+        others = [item for item in language if not item.in_scope]
+        assert any(item.doc_id for item in others) and any(item.doc_id is None for item in others)
 
 
 def test_percentile_is_a_measured_value():

@@ -63,7 +63,7 @@ def cmd_ask_local(args: argparse.Namespace, config: Config) -> int:
     if args.json:
         entry = next(entry for entry in release.snapshots if entry.key == str(snapshot.key))
         print(json.dumps(answer_record(
-            model_answer=answer.text, answered=answer.answered, decline_reason=answer.decline_reason,
+            question=args.question, model_answer=answer.text, answered=answer.answered, decline_reason=answer.decline_reason,
             route=answer.route, route_reason="local", cache_hit=answer.route == "cache",
             snapshot={"key": entry.key, "doc_id": entry.doc_id, "doc_version": entry.doc_version},
             release_id=release.release_id, finish_reason=answer.finish_reason,
@@ -413,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             "(--local: compare cache and full prompt in-process)")
     demo.add_argument("--local", action="store_true",
                       help="no server: answer in this process from each snapshot and from the full prompt, and compare")
-    demo.add_argument("--questions", type=int, default=5, help="how many sample questions (default 5)")
+    demo.add_argument("--questions", type=int, default=4,
+                      help="how many sample questions in each language (default 4)")
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.set_defaults(run=cmd_demo)
     return parser

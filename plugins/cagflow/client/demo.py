@@ -37,10 +37,7 @@ def _by_document(items: list[QAItem]) -> dict[str | None, list[QAItem]]:
     return groups
 
 
-def pick_mixed_questions(qa_path: Path, count: int) -> list[QAItem]:
-    """About half fixed-document questions and half others, interleaved: the fixed ones spread over the
-    fixed documents, the others alternating between variable documents and questions no document answers."""
-    items = load_qa(qa_path)
+def _mixed(items: list[QAItem], count: int) -> list[QAItem]:
     in_scope = _round_robin(_by_document([i for i in items if i.in_scope]), math.ceil(count / 2))
     wanted = count - len(in_scope)
     variable = _round_robin(_by_document([i for i in items if not i.in_scope and i.doc_id]), wanted)
@@ -49,6 +46,16 @@ def pick_mixed_questions(qa_path: Path, count: int) -> list[QAItem]:
     mixed = [item for pair in zip(in_scope, out_of_scope) for item in pair]
     longer = in_scope if len(in_scope) > len(out_of_scope) else out_of_scope
     return mixed + longer[len(mixed) // 2:]
+
+
+def pick_mixed_questions(qa_path: Path, count: int) -> list[QAItem]:
+    """``count`` questions in each language of the sample set (English first, then Chinese): about half
+    fixed-document questions and half others, interleaved; the fixed ones spread over the fixed documents,
+    the others alternating between variable documents and questions no document answers."""
+    by_language: dict[str, list[QAItem]] = {}
+    for item in load_qa(qa_path):
+        by_language.setdefault(item.language, []).append(item)
+    return [item for language in sorted(by_language) for item in _mixed(by_language[language], count)]
 
 
 def percentile(values: list[float], fraction: float) -> float:

@@ -15,7 +15,7 @@ from ..errors import CagflowError
 
 # Part of every model fingerprint: a parser change renders documents differently, so snapshots of the
 # old rendering must not be reused under the same key.
-PARSER_VERSION = "2"
+PARSER_VERSION = "3"
 
 
 class DocumentError(CagflowError, ValueError):
@@ -45,6 +45,10 @@ class ParsedDocument:
 
 _MD_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _TXT_HEADING = re.compile(r"^[A-Z0-9][A-Z0-9 &/,.'()-]{2,}$")
+# Chinese headings: "第一章 总则", "第3节 备份", "一、适用范围", "（二）审批", "1.1 密码要求"; short, with no sentence end.
+_CJK_NUMERAL = "一二三四五六七八九十百零〇两"
+_TXT_HEADING_ZH = re.compile(rf"^(?:第[{_CJK_NUMERAL}\d]+[章节条篇部分]+\s*|[{_CJK_NUMERAL}]+、\s*|[（(][{_CJK_NUMERAL}]+[）)]\s*"
+                             rf"|\d+(?:\.\d+)+\s+(?=[\u4e00-\u9fff]))[^。！？；：:]{{0,30}}$")
 
 
 def _clean(text: str) -> str:
@@ -86,15 +90,17 @@ def parse_markdown(text: str) -> ParsedDocument:
 
 
 def parse_text(text: str, blank_after_heading: bool = True) -> ParsedDocument:
-    """Plain text: a line in capitals followed by a blank line starts a section. Text extracted from a PDF
-    has no blank lines, so there a short line in capitals alone is enough."""
+    """Plain text: a line in capitals, or a numbered Chinese heading ("第一章 总则", "一、目的", "1.1 密码要求"),
+    followed by a blank line starts a section. Text extracted from a PDF has no blank lines, so there a short
+    such line alone is enough."""
     lines = text.splitlines()
     pairs: list[tuple[str, list[str]]] = [("", [])]
     for index, line in enumerate(lines):
         following = lines[index + 1] if index + 1 < len(lines) else ""
-        heading_like = _TXT_HEADING.match(line.strip()) and len(line.split()) <= 8
+        latin = bool(_TXT_HEADING.match(line.strip())) and len(line.split()) <= 8
+        heading_like = latin or bool(_TXT_HEADING_ZH.match(line.strip()))
         if heading_like and (not blank_after_heading or not following.strip()):
-            pairs.append((line.strip().title(), []))
+            pairs.append((line.strip().title() if latin else line.strip(), []))
         else:
             pairs[-1][1].append(line)
     sections = _collect(pairs)

@@ -253,7 +253,7 @@ class Engine:
                 return ("cache+retrieval" if context else "cache"), prompt.ids, prompt.prefix_len
             return "full", prompt.ids, 0
         if context is not None:
-            return "retrieval", self.prompts.tokenize(passages_system(context), question).ids, 0
+            return "retrieval", self.prompts.tokenize(passages_system(context, question), question).ids, 0
         return "question-only", self.prompts.tokenize(QUESTION_ONLY_SYSTEM, question).ids, 0
 
     def _check_room(self, route: str, ids: list[int], reused: int, budget: int) -> None:
@@ -427,11 +427,19 @@ class Engine:
                 for row, ((_, ids, reused), tokens) in enumerate(zip(plans, generated))]
 
 _WORD = re.compile(r"[a-z0-9]+")
+_HAN_RUN = re.compile(r"[\u4e00-\u9fff]+")
+
+
+def _terms(text: str) -> set[str]:
+    """Latin words, and for Chinese (no spaces between words) every pair of adjacent Han characters."""
+    text = text.lower()
+    bigrams = {run[i:i + 2] for run in _HAN_RUN.findall(text) for i in range(max(1, len(run) - 1))}
+    return set(_WORD.findall(text)) | bigrams
 
 
 def best_part(question: str, texts: Sequence[str]) -> int:
-    """Index of the text sharing the most words with the question (ties: the first): picks the part of a
+    """Index of the text sharing the most terms with the question (ties: the first): picks the part of a
     split document to answer from when no embedding router is in front."""
-    words = set(_WORD.findall(question.lower()))
-    scores = [len(words & set(_WORD.findall(text.lower()))) for text in texts]
+    words = _terms(question)
+    scores = [len(words & _terms(text)) for text in texts]
     return max(range(len(texts)), key=lambda i: (scores[i], -i))

@@ -1,6 +1,6 @@
 """Is an answer grounded in the text it was given? A small model asked something its document does not
 say often invents a plausible figure ("the share price is $1.218") or describes the neighbour of an
-identifier that does not exist (alarm E-408 when the manual lists E-407). Support answers live on such
+identifier that does not exist (alarm E-408 when the manual lists E-407); the same holds in Chinese. Support answers live on such
 figures, so an answer is held unsupported when it states a number or identifier that appears nowhere in
 its source (the document or passages it was answered from). A plain quantity the question itself gives
 ("a CVSS score of 7.5") may be repeated; an identifier from the question (E-408, 5.3.2, or a number named
@@ -14,15 +14,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# A run of word characters and joiners holding at least one digit: 8443, E-407, 192.168.77.1/24, 5.1.3, 3,450.
-_FIGURE = re.compile(r"[\w./:,+-]*\d[\w./:,+-]*")
+# A run of (ASCII) word characters and joiners holding at least one digit: 8443, E-407, 192.168.77.1/24, 5.1.3,
+# 3,450. ASCII only, so that in Chinese, where no space separates words, "端口9443" holds the figure "9443".
+_FIGURE = re.compile(r"[\w./:,+-]*\d[\w./:,+-]*", re.ASCII)
 _EDGE = ".,:/+-_"
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 _QUANTITY = re.compile(r"\d+(?:\.\d+)?")
 _ORDINAL = re.compile(r"(\d+)(?:st|nd|rd|th)")
-# A plain number right after one of these words names something (port 9441, code 17) rather than counts it.
-_NAMING_WORD = re.compile(r"\b(?:port|code|alarm|error|id|number|version|release|ticket|incident|rule|build|model)s?"
-                          r"\s+$", re.IGNORECASE)
+# A plain number right after one of these words names something (port 9441, code 17, 端口 9444) rather than
+# counts it.
+_NAMING_WORD = re.compile(r"(?:\b(?:port|code|alarm|error|id|number|version|release|ticket|incident|rule|build|model)s?"
+                          r"|端口|告警|错误码|代码|编号|版本|缺陷|型号|工单)\s*$", re.IGNORECASE)
 _NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
                  "twelve")
 _ORDINAL_WORDS = ("zeroth", "first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth",
@@ -30,7 +32,10 @@ _ORDINAL_WORDS = ("zeroth", "first", "second", "third", "fourth", "fifth", "sixt
 _DECLINE = re.compile(r"\b(?:documents?|passages?|text|manual)\s+(?:do|does)\s+not\s+"
                       r"(?:contain|include|mention|say|specify|state|provide|have|list|give)\b"
                       r"|\bnot\s+(?:found|mentioned|stated|specified|provided|given|listed|included)\s+in\s+the\s+"
-                      r"(?:provided\s+|given\s+)?(?:documents?|passages?|text|manual)\b",
+                      r"(?:provided\s+|given\s+)?(?:documents?|passages?|text|manual)\b"
+                      r"|(?:文档|文本|资料|手册|材料)(?:中|里)?并?(?:没有|未|不)(?:包含|提及|提到|说明|涉及|给出|列出|记载|找到)"
+                      r"|(?:文档|文本|资料|手册|材料)(?:中|里)(?:没有|找不到|未找到)"
+                      r"|没有(?:找到)?(?:相关|有关)的?信息",
                       re.IGNORECASE)
 
 
@@ -77,7 +82,7 @@ class Grounding:
 
 def _in_source(figure: str, text: str) -> bool:
     """A figure is in the source as a whole token, or (0–12, and their ordinals) spelt out as a word."""
-    if re.search(rf"(?<![\w]){re.escape(figure)}(?![\w])", text):
+    if re.search(rf"(?<![\w]){re.escape(figure)}(?![\w])", text, re.ASCII):
         return True
     ordinal = _ORDINAL.fullmatch(figure)
     number = int(ordinal.group(1)) if ordinal else int(figure) if figure.isdigit() else None

@@ -11,29 +11,78 @@ the boundary.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import CagflowError
 
-TEMPLATE_VERSION = "cagflow-prompt-v2"
+TEMPLATE_VERSION = "cagflow-prompt-v3"
 
-# What every route answers when the documents do not hold the answer (``cagflow.core.grounding``).
-DECLINED_ANSWER = "The documents do not contain the answer."
-_GROUNDING = ("Quote numbers, codes, names and durations exactly as written there. If the answer is not there, "
-              f"reply only: {DECLINED_ANSWER} Answer in one or two short sentences.")
-# Repeated after the question, where a small model heeds it most: Qwen2.5-1.5B declined 22 of 43 unanswerable
-# sample questions with it and 9 without, and found nearly as many facts (55 and 56 of 59).
-QUESTION_REMINDER = ("(Answer only from the text above. If it does not answer this exact question, "
-                     f"reply: {DECLINED_ANSWER})")
-# The user turn of the cache+retrieval route: newer passages first, then the question and this reminder.
-# Every token of it is prefilled per request, so it is as short as a plain reminder plus the passages.
-UPDATES_REMINDER = ("(Answer only from the texts above; a newer text overrides the document. If they do not answer "
-                    f"this exact question, reply: {DECLINED_ANSWER})")
-DOCUMENT_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the document below. "
-                        f"{_GROUNDING}")
-PASSAGES_INSTRUCTION = ("You are a support assistant. Answer the user's question using only the documents below. "
-                        f"{_GROUNDING}")
+_HAN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+_LATIN_WORD = re.compile(r"[A-Za-z]+")
+
+
+def language(text: str) -> str:
+    """``"zh"`` when Han characters outnumber Latin words (a Chinese sentence naming "YF-G300" or "TLS" is
+    still Chinese), else ``"en"``. It picks the wording of the instructions, the reminder and the decline."""
+    han = len(_HAN.findall(text))
+    return "zh" if han >= 2 and han >= len(_LATIN_WORD.findall(text)) else "en"
+
+
+@dataclass(frozen=True)
+class Wording:
+    """Everything the prompt says in one language. A Chinese question gets the Chinese reminder (and so a
+    Chinese answer); a Chinese document gets the Chinese instruction in its system turn (its snapshot's prefix)."""
+
+    declined: str  # what every route answers when the documents do not hold the answer (core.grounding)
+    document_instruction: str
+    passages_instruction: str
+    question_reminder: str
+    updates_reminder: str
+    newer_label: str
+
+
+# The reminder is repeated after the question, where a small model heeds it most: Qwen2.5-1.5B declined 22 of
+# 43 unanswerable sample questions with it and 9 without, and found nearly as many facts (55 and 56 of 59).
+# The cache+retrieval route's user turn (newer passages, question, reminder) is prefilled per request, so
+# its reminder is as short as the plain one.
+_EN_DECLINED = "The documents do not contain the answer."
+_EN_GROUNDING = ("Quote numbers, codes, names and durations exactly as written there. If the answer is not there, "
+                 f"reply only: {_EN_DECLINED} Answer in one or two short sentences.")
+_ZH_DECLINED = "文档中没有相关信息。"
+_ZH_GROUNDING = f"数字、代码、名称和时长须按原文准确引用。如果答案不在其中，只回复：{_ZH_DECLINED}请用中文回答，一两句话即可。"
+WORDINGS = {
+    "en": Wording(
+        declined=_EN_DECLINED,
+        document_instruction=("You are a support assistant. Answer the user's question using only the document "
+                              f"below. {_EN_GROUNDING}"),
+        passages_instruction=("You are a support assistant. Answer the user's question using only the documents "
+                              f"below. {_EN_GROUNDING}"),
+        question_reminder=("(Answer only from the text above. If it does not answer this exact question, "
+                           f"reply: {_EN_DECLINED})"),
+        updates_reminder=("(Answer only from the texts above; a newer text overrides the document. If they do not "
+                          f"answer this exact question, reply: {_EN_DECLINED})"),
+        newer_label="[Newer text]"),
+    "zh": Wording(
+        declined=_ZH_DECLINED,
+        document_instruction=f"你是技术支持助手。只根据下面的文档回答用户的问题。{_ZH_GROUNDING}",
+        passages_instruction=f"你是技术支持助手。只根据下面的文档回答用户的问题。{_ZH_GROUNDING}",
+        question_reminder=f"（只根据上面的文本回答。如果它没有回答这个问题，请回复：{_ZH_DECLINED}）",
+        updates_reminder=f"（只根据上面的文本回答；较新的文本优先于文档。如果它们没有回答这个问题，请回复：{_ZH_DECLINED}）",
+        newer_label="[较新文本]"),
+}
+DECLINED_ANSWER = _EN_DECLINED
+
+
+def wording(text: str) -> Wording:
+    """The wording in the language of ``text`` (a question, or a document's body)."""
+    return WORDINGS[language(text)]
+
+
+def declined_answer(question: str) -> str:
+    """The decline sentence in the question's language."""
+    return wording(question).declined
 
 
 class PromptError(CagflowError, ValueError):
@@ -57,10 +106,13 @@ class Passage:
 
 
 def document_system(title: str, body: str) -> str:
-    return f"{DOCUMENT_INSTRUCTION}\n\nDocument: {title}\n\n{body}"
+    """The system turn of a document (a snapshot's prefix), instructed in the document's language."""
+    instruction = wording(body).document_instruction
+    label = "文档" if language(body) == "zh" else "Document"
+    return f"{instruction}\n\n{label}: {title}\n\n{body}"
 
 
-def passages_system(passages: Sequence[Passage]) -> str:
+def passages_system(passages: Sequence[Passage], question: str = "") -> str:
     """Each passage under a heading of its document's title and section, as a document reads. Qwen2.5-1.5B
     answered 11 of 20 release-note questions this way against 7 with numbered, dated labels: it found the
     version in a heading ("Skerry 5.1.1 Release Notes") and no longer gave a label's date for the date a
@@ -69,14 +121,15 @@ def passages_system(passages: Sequence[Passage]) -> str:
     for passage in passages:
         label = " — ".join(part for part in (passage.title, passage.section) if part)
         blocks.append(f"## {label}\n{passage.text}" if label else passage.text)
-    return f"{PASSAGES_INSTRUCTION}\n\n" + "\n\n".join(blocks)
+    return f"{wording(question).passages_instruction}\n\n" + "\n\n".join(blocks)
 
 
-def updates_text(passages: Sequence[Passage]) -> str:
+def updates_text(passages: Sequence[Passage], question: str = "") -> str:
     """The newer passages of the cache+retrieval route, as they stand ahead of the question: marked newer,
     without titles or dates (the answer record cites them; every token here is prefilled per request, and a
     date in the label was taken for the answer to "on what date...?")."""
-    return "\n\n".join(f"[Newer text] {passage.text}" for passage in passages)
+    label = wording(question).newer_label
+    return "\n\n".join(f"{label} {passage.text}" for passage in passages)
 
 
 def clean_question(question: str) -> str:
@@ -113,10 +166,12 @@ class PromptBuilder:
         return f"{system}\n\n"
 
     def full_text(self, system: str, question: str, updates: Sequence[Passage] = ()) -> str:
+        question = clean_question(question)
+        words = wording(question)
         if updates:
-            question = f"{updates_text(updates)}\n\n{clean_question(question)}\n\n{UPDATES_REMINDER}"
+            question = f"{updates_text(updates, question)}\n\n{question}\n\n{words.updates_reminder}"
         else:
-            question = f"{clean_question(question)}\n\n{QUESTION_REMINDER}"
+            question = f"{question}\n\n{words.question_reminder}"
         if self.chat:
             return self.tokenizer.apply_chat_template(
                 [{"role": "system", "content": system}, {"role": "user", "content": question}],

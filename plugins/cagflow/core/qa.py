@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .grounding import is_declined
+from .prompt import language
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,17 @@ class QAItem:
 
     def has_keywords(self, text: str) -> bool:
         """All keywords present (case-insensitive; a keyword that is a number only as a whole number, so "5"
-        is not found in "15" or "2025"): a coarse, honest check for short factual answers."""
+        is not found in "15" or "2025"; spaces ignored, as Chinese text sets them or not: "15 分钟", "15分钟"): a
+        coarse, honest check for short factual answers."""
         lowered = text.lower()
+        squeezed = re.sub(r"\s+", "", lowered)
         return all(re.search(rf"(?<![\d.,]){keyword}(?![\d]|[.,]\d)", lowered) if keyword.isdigit()
-                   else keyword.lower() in lowered for keyword in self.keywords)
+                   else keyword.lower() in lowered or re.sub(r"\s+", "", keyword.lower()) in squeezed
+                   for keyword in self.keywords)
+
+    @property
+    def language(self) -> str:
+        return language(self.question)
 
     def is_correct(self, answer: str, answered: bool | None = None) -> bool:
         """Answerable: answered, with every keyword. Unanswerable: declined. ``answered`` is the answer

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .prompt import DECLINED_ANSWER
+from .prompt import WORDINGS, declined_answer
 
 
-def answer_record(*, model_answer: str, answered: bool, decline_reason: str | None, route: str,
+def answer_record(*, question: str, model_answer: str, answered: bool, decline_reason: str | None, route: str,
                   route_reason: str | None, cache_hit: bool, snapshot: dict[str, Any] | None,
                   release_id: str | None, finish_reason: str | None, timings_ms: dict[str, float],
                   prompt_tokens: int, reused_tokens: int, generated_tokens: int,
@@ -16,10 +16,11 @@ def answer_record(*, model_answer: str, answered: bool, decline_reason: str | No
                   suggestions: Sequence[dict] = (), fallback_reason: str | None = None,
                   scope_score: float | None = None, best_score: float | None = None,
                   answer_source: str | None = "computed", request_id: str | None = None) -> dict[str, Any]:
-    """A declined answer reads as the decline sentence; what the model said instead is kept in
-    ``model_answer`` when it differs (an answer held unsupported)."""
+    """A declined answer reads as the decline sentence in the question's language; what the model said
+    instead is kept in ``model_answer`` when it differs (an answer held unsupported)."""
+    declines = {words.declined for words in WORDINGS.values()}
     return {
-        "answer": model_answer if answered else DECLINED_ANSWER, "answered": answered,
+        "answer": model_answer if answered else declined_answer(question), "answered": answered,
         "decline_reason": decline_reason, "route": route, "route_reason": route_reason, "cache_hit": cache_hit,
         "fallback_reason": fallback_reason, "snapshot": snapshot, "citations": list(citations),
         "suggestions": list(suggestions), "unsupported_figures": list(unsupported_figures),
@@ -27,5 +28,5 @@ def answer_record(*, model_answer: str, answered: bool, decline_reason: str | No
         "release_id": release_id, "finish_reason": finish_reason, "timings_ms": timings_ms,
         "tokens": {"prompt": prompt_tokens, "reused": reused_tokens, "generated": generated_tokens},
         "request_id": request_id,
-        **({} if answered or model_answer == DECLINED_ANSWER else {"model_answer": model_answer}),
+        **({} if answered or model_answer.strip() in declines else {"model_answer": model_answer}),
     }

@@ -47,7 +47,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..config import Config
-from ..core.prompt import DECLINED_ANSWER
+from ..core.prompt import declined_answer
 from ..core.record import answer_record
 from ..search.chunking import sentences
 from ..search.embeddings import Embedder, get_embedder
@@ -183,7 +183,7 @@ class Router:
         self._release: Release | None = None
         self._scope_release_id: str | None = None
         # Support questions repeat: a repeated question skips the embedder (the largest cost of routing).
-        self._question_vector = functools.lru_cache(maxsize=QUESTION_VECTORS)(embedder.encode_one)
+        self._question_vector = functools.lru_cache(maxsize=QUESTION_VECTORS)(embedder.encode_query)
         self._stop = threading.Event()
         self._refresh_lock = threading.Lock()
         self._poller: threading.Thread | None = None
@@ -207,7 +207,7 @@ class Router:
 
         A dependency that is down does not stop the start: readiness reports it and the poll retries.
         """
-        self.embedder.encode_one("warm up")
+        self.embedder.encode_query("warm up")
         self.refresh(force=True)
         if self.config.service.release_poll_s > 0:
             self._poller = threading.Thread(target=self._poll, name="cagflow-router-release-poll", daemon=True)
@@ -454,13 +454,13 @@ class Router:
     def _declined(self, query: Query, request_id: str, plan: Plan, hits: list[SearchHit], fallback: str | None,
                   started: float) -> dict[str, Any]:
         plan.timings_ms["triton"] = 0.0
-        return self._body(query, request_id, plan, {"ANSWER": DECLINED_ANSWER, "ANSWERED": False}, hits, fallback,
+        return self._body(query, request_id, plan, {"ANSWER": declined_answer(query.question), "ANSWERED": False}, hits, fallback,
                           started, decline_reason="no_relevant_passage")
 
     def _cite(self, plan: Plan, query: Query, answer: str) -> list[dict[str, Any]]:
         """The chunk of the cached document closest to question and answer together."""
         started = time.perf_counter()
-        citation = self.scope.cite(plan.doc_id, self.embedder.encode_one(f"{query.question}\n{answer}"))
+        citation = self.scope.cite(plan.doc_id, self.embedder.encode_query(f"{query.question}\n{answer}"))
         plan.timings_ms["cite"] = _milliseconds(started)
         metrics.BACKEND_SECONDS.labels("embedding").observe(plan.timings_ms["cite"] / 1000)
         return [citation.to_dict()] if citation is not None else []
@@ -536,7 +536,7 @@ class Router:
         if decline_reason:
             metrics.DECLINED.labels(decline_reason).inc()
         return answer_record(
-            model_answer=model_answer, answered=answered, decline_reason=decline_reason, route=route,
+            question=query.question, model_answer=model_answer, answered=answered, decline_reason=decline_reason, route=route,
             route_reason=plan.reason, cache_hit=cache_hit, fallback_reason=fallback,
             snapshot=self._snapshot_info(outputs.get("SNAPSHOT_KEY", "")), citations=citations,
             suggestions=[] if answered else _citations(hits or plan.updates), unsupported_figures=unsupported,
@@ -627,7 +627,7 @@ class Router:
         if pieces is None:
             hits = self._search(plan, query)
             if self._unanswerable(plan, query):
-                yield "token", {"text": DECLINED_ANSWER}
+                yield "token", {"text": declined_answer(query.question)}
                 yield "answer", self._declined(query, request_id, plan, hits, fallback, started)
                 return
             try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from typing import Callable, Sequence
 
 from ..core.documents import ParsedDocument
@@ -20,8 +19,11 @@ from ..errors import CagflowError
 TokenCounter = Callable[[Sequence[str]], list[int]]
 
 _LINE = re.compile(r"[^\n]+")
-_SENTENCE_GAP = re.compile(r"(?<=[.!?])\s+(?=\S)")
-_WORD = re.compile(r"\S+")
+# A sentence ends at ". ! ?" and a space, or at Chinese full-width "。！？；" (and a closing quote or bracket
+# after it), where no space follows.
+_SENTENCE_GAP = re.compile(r"(?:(?<=[.!?])\s+|(?<=[。！？；])(?![”’」』）])\s*|(?<=[。！？；][”’」』）])\s*)(?=\S)")
+# A word, or in Chinese (no spaces) a clause up to its full-width comma, enumeration comma or colon.
+_WORD = re.compile(r"[^\s，、：]+[，、：]?|[，、：]")
 
 
 class ChunkingError(CagflowError, ValueError):
@@ -31,7 +33,7 @@ class ChunkingError(CagflowError, ValueError):
 
 
 # Bump when chunk boundaries change for the same text: every document is then chunked and embedded again.
-CHUNKING_VERSION = "1"
+CHUNKING_VERSION = "2"
 
 
 @dataclass(frozen=True)
@@ -54,21 +56,11 @@ def chunk_id(doc_id: str, version: str, number: int) -> str:
     return f"{doc_id}:{version}:{number}"
 
 
-@lru_cache(maxsize=1)
 def embedding_token_counter() -> TokenCounter:
-    """Token counts under the embedding model's own tokenizer (all-MiniLM-L6-v2's WordPiece)."""
-    from tokenizers import Tokenizer
+    """Token counts under the embedding model's own tokenizer (e5's SentencePiece)."""
+    from .embeddings import get_embedder
 
-    from .embeddings import bundled_model_path
-
-    tokenizer = Tokenizer.from_file(str(bundled_model_path() / "tokenizer.json"))
-    tokenizer.no_padding()  # the shipped tokenizer pads and truncates to the model's window
-    tokenizer.no_truncation()
-
-    def count(texts: Sequence[str]) -> list[int]:
-        return [len(encoding.ids) for encoding in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
-
-    return count
+    return get_embedder().count_tokens
 
 
 def _sentence_spans(text: str) -> list[tuple[int, int]]:
@@ -99,7 +91,8 @@ def sentences(text: str, min_words: int = 1) -> list[str]:
 
 
 def _split_oversized(text: str, span: tuple[int, int], count: TokenCounter, max_tokens: int) -> list[tuple[int, int]]:
-    """Break a sentence longer than the window at word boundaries; a single giant word is cut by characters."""
+    """Break a sentence longer than the window at word (Chinese: clause) boundaries; a single giant word is cut
+    by characters."""
     start, end = span
     words = [(start + m.start(), start + m.end()) for m in _WORD.finditer(text[start:end])]
     if len(words) == 1:

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 from cagflow.core.documents import DocumentError, parse_file, parse_html, parse_markdown, parse_text
 
@@ -9,7 +11,8 @@ def test_every_corpus_document_parses_into_sections(corpus):
         assert document.sections, entry.doc_id
         if entry.tier == "fixed":
             assert len(document.sections) >= 4, entry.doc_id
-            assert len(document.render().split()) > 800, entry.doc_id
+            words = re.findall(r"[\u4e00-\u9fff]|[^\s\u4e00-\u9fff]+", document.render())  # a Han character is a word
+            assert len(words) > 800, entry.doc_id
 
 
 def test_markdown_sections_and_code_fences():
@@ -24,6 +27,17 @@ def test_text_headings_are_capital_lines_followed_by_blank():
     assert document.title == "Backup Guide"
     assert document.sections[0].heading == "Overview"
     assert "NOT A HEADING" in document.sections[0].text
+
+
+def test_chinese_text_headings_are_numbered_lines_followed_by_blank():
+    document = parse_text("数据安全制度\n\n第一章 总则\n\n一、目的\n\n为保障数据安全，制定本制度。\n\n"
+                          "二、适用范围\n\n本制度适用于全体员工。\n\n第二章 账号\n\n1.1 密码要求\n\n密码不少于 14 位。\n"
+                          "一、这是一句完整的话，不是标题。\n\n1.5 GB of logs\n\n（三）审批\n\n须经批准。\n")
+    assert document.title == "数据安全制度"
+    assert [s.heading for s in document.sections] == [
+        "第一章 总则 — 一、目的", "二、适用范围", "第二章 账号 — 1.1 密码要求", "（三）审批"]
+    assert "一、这是一句完整的话，不是标题。" in document.sections[2].text  # a sentence, not a heading
+    assert "1.5 GB of logs" in document.sections[2].text  # numbered Latin text keeps the capitals rule
 
 
 def test_html_headings_lists_and_entities():

@@ -69,6 +69,35 @@ def test_figures_are_lower_cased_without_edge_punctuation_or_thousands_separator
     assert not is_declined("The documents contain the answer: port 8443.")
 
 
+ZH_SOURCE = document_system("云帆数据网关运维手册", (
+    "网页控制台监听 9443 端口，MQTT 接入使用端口7001。告警 YF-E104 表示磁盘空间不足，告警 YF-E106 表示证书即将过期。"
+    "本地日志保留 10 天，备份每天 02:30 执行。"))
+
+
+@pytest.mark.parametrize(("answer", "question", "answered", "unsupported"), [
+    ("控制台使用 9443 端口。", "控制台用哪个端口？", True, ()),
+    ("MQTT 使用端口7001。", "MQTT 走哪个端口？", True, ()),  # no space between a Han character and the figure
+    ("日志保留10天。", "日志保留多久？", True, ()),
+    ("控制台使用 8443 端口。", "控制台用哪个端口？", False, ("8443",)),
+    ("YF-E105 表示磁盘空间不足。", "告警 YF-E105 代表什么？", False, ("yf-e105",)),  # a near-miss identifier
+    ("端口 9444 用于管理。", "端口9444是做什么用的？", False, ("9444",)),  # a number named by 端口
+])
+def test_chinese_answers_are_checked_figure_by_figure(answer, question, answered, unsupported):
+    verdict = check(answer, ZH_SOURCE, question)
+    assert (verdict.answered, verdict.unsupported) == (answered, unsupported)
+
+
+@pytest.mark.parametrize("answer", ["文档中没有相关信息。", "文档中没有提到 YF-G500 的售价。", "手册中未提及该端口。",
+                                    "抱歉，没有找到相关信息。", "提供的资料里找不到这个答案。"])
+def test_chinese_declines_are_recognised(answer):
+    assert is_declined(answer) and check(answer, ZH_SOURCE).reason == "model_declined"
+
+
+@pytest.mark.parametrize("answer", ["没有限制，可以随时登录。", "日志保留 10 天，文档中明确写了。"])
+def test_chinese_answers_that_only_sound_negative_are_not_declines(answer):
+    assert not is_declined(answer)
+
+
 def _item(number: int, in_scope: bool, doc_id: str | None) -> QAItem:
     return QAItem(f"q{number:03d}", "question", "answer", ("8443",), in_scope, doc_id)
 
@@ -89,3 +118,10 @@ def test_an_answer_is_correct_when_answered_with_its_keywords_or_declined_when_n
     assert not answerable.is_correct(DECLINED_ANSWER) and not answerable.is_correct("Port 443.")
     assert unanswerable.is_correct(DECLINED_ANSWER) and unanswerable.is_correct("Port 9.", answered=False)
     assert not unanswerable.is_correct("Port 9.")
+
+
+def test_chinese_keywords_match_with_or_without_spaces_and_the_language_is_read_from_the_question():
+    item = QAItem("z001", "控制台多久不操作会退出？", "15 分钟。", ("15分钟", "YF-E104"), True, "manual")
+    assert item.language == "zh" and _item(1, True, "manual").language == "en"
+    assert item.is_correct("空闲 15 分钟后退出，并记录告警 yf-e104。")
+    assert not item.is_correct("空闲 150 分钟后退出，并记录告警 YF-E104。") and not item.is_correct("文档中没有相关信息。")

@@ -1,6 +1,7 @@
 import pytest
-from cagflow.core.prompt import (PASSAGES_INSTRUCTION, EmptyQuestionError, Passage, PromptBuilder, PromptError,
-                                 document_system, passages_system)
+from cagflow.core.prompt import (WORDINGS, EmptyQuestionError, Passage, PromptBuilder, PromptError, declined_answer,
+                                 document_system, language, passages_system)
+from cagflow.core.record import answer_record
 
 AWKWARD_QUESTIONS = [
     "What port?",
@@ -49,5 +50,39 @@ def test_foreign_prefix_ids_are_refused(builder):
 
 def test_passages_read_as_sections_headed_by_their_source_without_dates():
     text = passages_system([Passage("Port 8443.", "Manual", "Ports", published="2024-12-16"), Passage("Ten days.")])
-    assert text.startswith(PASSAGES_INSTRUCTION + "\n\n## ")
+    assert text.startswith(WORDINGS["en"].passages_instruction + "\n\n## ")
     assert "\n\n## Manual — Ports\nPort 8443.\n\nTen days." in text and "2024-12-16" not in text
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("Which port does the console use?", "en"), ("云帆网关的控制台用哪个端口？", "zh"),
+    ("YF-G300 网关支持 TLS 1.3 吗？", "zh"),  # Chinese naming Latin identifiers
+    ("What does 云帆 mean in the Yunfan product name?", "en"), ("", "en"), ("8443", "en"),
+])
+def test_language_is_chinese_when_han_characters_outnumber_latin_words(text, expected):
+    assert language(text) == expected
+
+
+def test_chinese_documents_and_questions_are_instructed_in_chinese(builder):
+    system = document_system("云帆数据网关运维手册", "网页控制台监听 9443 端口。")
+    assert system.startswith(WORDINGS["zh"].document_instruction + "\n\n文档: 云帆数据网关运维手册")
+    assert document_system("Manual", "The console listens on port 8443.").startswith(
+        WORDINGS["en"].document_instruction)
+    chinese = builder.full_text(system, "控制台用哪个端口？")
+    assert WORDINGS["zh"].question_reminder in chinese
+    english = builder.full_text(system, "Which port does the console use?")  # an English question, same snapshot
+    assert WORDINGS["en"].question_reminder in english and english.startswith(builder.prefix_text(system))
+    updates = builder.full_text(system, "控制台超时多久？", updates=[Passage("超时改为 15 分钟。")])
+    assert "[较新文本] 超时改为 15 分钟。" in updates and WORDINGS["zh"].updates_reminder in updates
+    assert passages_system([Passage("端口 9443。")], "端口是多少？").startswith(WORDINGS["zh"].passages_instruction)
+
+
+def test_a_declined_answer_reads_in_the_language_of_the_question():
+    fields = dict(model_answer="YF-E105 表示磁盘空间不足。", answered=False, decline_reason="unsupported_figures",
+                  route="cache", route_reason="in_scope", cache_hit=True, snapshot=None, release_id=None,
+                  finish_reason="eos", timings_ms={}, prompt_tokens=10, reused_tokens=5, generated_tokens=3)
+    chinese = answer_record(question="告警 YF-E105 代表什么？", **fields)
+    assert chinese["answer"] == declined_answer("告警 YF-E105 代表什么？") == "文档中没有相关信息。"
+    assert chinese["model_answer"] == "YF-E105 表示磁盘空间不足。"
+    english = answer_record(question="What does alarm E-408 mean?", **{**fields, "model_answer": "文档中没有相关信息。"})
+    assert english["answer"] == "The documents do not contain the answer." and "model_answer" not in english

@@ -59,6 +59,28 @@ def test_a_sentence_longer_than_the_window_is_split_at_words():
     assert " ".join(c.text for c in chunks).split() == long_sentence.split()
 
 
+def test_chinese_sentences_end_at_full_width_punctuation_and_overlap():
+    text = "".join(f"第{i}句话说明一件事情。" for i in range(12)) + "“引用的话。”最后一句？"
+    count_chars = lambda texts: [len(t) for t in texts]  # noqa: E731 - one token per character
+    chunks = chunk_document("d", "1", "fixed", ParsedDocument("T", (Section("S", text),)), count_chars,
+                            max_tokens=40, overlap_tokens=12)
+    assert all(c.n_tokens <= 40 for c in chunks) and len(chunks) > 3
+    for previous, current in zip(chunks, chunks[1:]):
+        assert previous.text.endswith(("。", "”", "？"))  # cut between sentences, never inside one
+        assert current.text.startswith(re.findall(r"[^。？”]+[。？]”?", previous.text)[-1])  # one sentence overlap
+    assert chunks[-1].text.endswith("“引用的话。”最后一句？")
+
+
+def test_a_long_chinese_sentence_is_split_at_its_commas():
+    sentence = "，".join(f"第{i}个分句" for i in range(30)) + "。"
+    count_chars = lambda texts: [len(t) for t in texts]  # noqa: E731
+    chunks = chunk_document("d", "1", "fixed", ParsedDocument("T", (Section("", sentence),)), count_chars,
+                            max_tokens=20, overlap_tokens=0)
+    assert all(c.n_tokens <= 20 for c in chunks)
+    assert all(c.text.endswith(("，", "。")) for c in chunks)  # whole clauses
+    assert "".join(c.text for c in chunks) == sentence
+
+
 def test_a_single_giant_word_is_cut_to_fit(count_tokens):
     blob = "QmFzZTY0" * 400
     chunks = chunk_document("d", "1", "fixed", ParsedDocument("T", (Section("", blob),)), count_tokens,
