@@ -49,7 +49,7 @@ class ServiceConfig(_Section):
     # cache+retrieval: a newer passage joins a snapshot when it is at most this much less similar to the
     # question than the document's closest chunk (and at least answerable_threshold). Larger: more
     # questions pay the passages' prefill for little. See README "REST API".
-    update_margin: float = Field(0.03, ge=0.0, le=2.0)
+    update_margin: float = Field(0.012, ge=0.0, le=2.0)
     api_keys_file: str = str(CACHE_HOME / "api-keys.json")  # hashed keys only, never the keys themselves
     rate_limit_per_s: float = Field(5.0, gt=0)  # per API key, token bucket refill
     rate_limit_burst: int = Field(20, ge=1)

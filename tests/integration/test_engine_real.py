@@ -51,3 +51,27 @@ def test_real_model_shared_prefix_is_exact(model, request, corpus):
 
     assert [t.data_ptr() for t in snapshot.keys + snapshot.values] == pointers
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot.keys + snapshot.values))
+
+
+ZH_QUESTIONS = ["网页控制台使用哪个端口？", "告警 YF-E104 表示什么？", "控制台空闲多久会自动退出？"]
+
+
+@pytest.mark.real_model
+def test_a_chinese_document_and_questions_are_exact_on_qwen(real_qwen_model, corpus):
+    """The Chinese sample manual under its Chinese instruction, asked in Chinese: cached, streamed, batched
+    and cache+retrieval answers are the full prompt's tokens, and they are Chinese."""
+    engine = Engine(real_qwen_model, max_context_tokens=700, max_new_tokens=16, question_budget_tokens=128)
+    entry = next(entry for entry in corpus.tier("fixed") if entry.doc_id == "yunfan-ops-manual")
+    parts = engine.split(entry.doc_id, entry.version, parse_file(corpus.file(entry), entry.title))
+    snapshot = engine.precompute(parts[0])
+    assert snapshot.system_prompt.startswith("你是技术支持助手")
+    full = [engine.answer(q, snapshot=snapshot, reuse_cache=False) for q in ZH_QUESTIONS]
+    assert [engine.answer(q, snapshot=snapshot).token_ids for q in ZH_QUESTIONS] == [a.token_ids for a in full]
+    assert [a.token_ids for a in engine.answer_batch(ZH_QUESTIONS, snapshot)] == [a.token_ids for a in full]
+    streamed = list(engine.stream(ZH_QUESTIONS[0], snapshot=snapshot))
+    assert streamed[-1].token_ids == full[0].token_ids
+    assert any("\u4e00" <= char <= "\u9fff" for char in full[0].text), full[0].text  # answered in Chinese
+    updates = [Passage("自 3.2.0 版本起，控制台空闲超时由 20 分钟改为 15 分钟。", "云帆数据网关 3.2.0 版本发布说明", "变更")]
+    combined = engine.answer(ZH_QUESTIONS[2], snapshot=snapshot, context=updates)
+    assert combined.route == "cache+retrieval" and combined.token_ids == engine.answer(
+        ZH_QUESTIONS[2], snapshot=snapshot, context=updates, reuse_cache=False).token_ids

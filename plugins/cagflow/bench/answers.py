@@ -192,6 +192,8 @@ def through_api(config: Config, args: argparse.Namespace) -> int:
     items = load_qa(Path(config.corpus.manifest).parent / "qa.jsonl")
     if args.kind:
         items = [item for item in items if item.kind in args.kind]
+    if args.language:
+        items = [item for item in items if item.language == args.language]
     if args.only:
         items = [item for item in items if item.id in args.only.split(",")]
     if args.limit:

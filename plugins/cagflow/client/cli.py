@@ -399,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kind", action="append", help="bench answers: ask only questions of this kind (fact, "
                         "near_miss, near_miss_absent, unanswerable, conflict; repeatable)")
     engine.add_argument("--only", help="bench answers: ask only these question ids (q001,q002,...)")
+    engine.add_argument("--language", choices=("en", "zh"),
+                        help="bench answers: ask only the questions in this language")
     bench.set_defaults(run=cmd_bench)
 
     for service in SERVICES:

@@ -49,7 +49,7 @@ import numpy as np
 from ..config import Config
 from ..core.prompt import declined_answer
 from ..core.record import answer_record
-from ..search.chunking import sentences
+from ..search.chunking import sentences, word_count
 from ..search.embeddings import Embedder, get_embedder
 from ..search.retrieval import ChunkIndex, RetrievalError, RetrievalUnavailable, SearchHit
 from ..search.scope import ScopeDetector
@@ -145,7 +145,7 @@ def excerpts(hits: list[SearchHit], question: np.ndarray, sentence_vectors, max_
     words = 0
     further = [piece for piece in ranked if scores[piece] >= min_similarity]
     for piece in [*best_of_each, *further]:
-        size = len(pieces[piece][1].split())
+        size = word_count(pieces[piece][1])
         if piece in chosen or (chosen and words + size > max_words):
             continue
         chosen.add(piece)

@@ -24,6 +24,14 @@ _LINE = re.compile(r"[^\n]+")
 _SENTENCE_GAP = re.compile(r"(?:(?<=[.!?])\s+|(?<=[。！？；])(?![”’」』）])\s*|(?<=[。！？；][”’」』）])\s*)(?=\S)")
 # A word, or in Chinese (no spaces) a clause up to its full-width comma, enumeration comma or colon.
 _WORD = re.compile(r"[^\s，、：]+[，、：]?|[，、：]")
+_HAN = re.compile(r"[\u4e00-\u9fff]")
+_LATIN_WORD = re.compile(r"[^\s\u3000-\u303f\u4e00-\u9fff\uff00-\uffef]+")  # not Han, not CJK punctuation
+
+
+def word_count(text: str) -> int:
+    """Words in ``text``: Latin words, and for Chinese (written without spaces) one per two Han characters,
+    the length of a typical Chinese word."""
+    return len(_LATIN_WORD.findall(text)) + (len(_HAN.findall(text)) + 1) // 2
 
 
 class ChunkingError(CagflowError, ValueError):
@@ -86,7 +94,7 @@ def sentences(text: str, min_words: int = 1) -> list[str]:
             found[-1] = f"{found[-1]} {text[start:end].strip()}"
         else:
             found.append(text[start:end].strip())
-        short_end = end if len(found[-1].split()) < min_words else -1
+        short_end = end if word_count(found[-1]) < min_words else -1
     return found
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from cagflow.core.qa import QAItem
 from cagflow.router.routing import excerpts
+from cagflow.search.chunking import word_count
 from cagflow.search.retrieval import SearchHit
 from cagflow.store.manifests import CorpusManifest, ManifestError
 
@@ -41,6 +42,19 @@ def test_each_passage_keeps_its_sentences_closest_to_the_question_in_reading_ord
                            "limit are dropped.")
     assert sum(len(h.text.split()) for h in cut) == 29  # any further sentence would pass the 30 words
     assert cut[0].published == "2025-03-10" and cut[0].title == NOTES.title  # only the text is cut
+
+
+def test_chinese_passages_are_cut_by_sentences_and_counted_in_words_of_two_characters():
+    notes = hit("n:3", "控制台空闲超时由 20 分钟改为 15 分钟。本地缓冲时长由 72 小时改为 96 小时。修复了若干已知问题，提升了稳定性。")
+    question = np.array([1.0, 0.0])
+
+    def by_topic(texts):  # a stand-in embedder: the first axis is "timeout"
+        rows = np.array([[("超时" in text) * 1.0, 0.5] for text in texts], dtype=np.float32)
+        return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+    cut = excerpts([notes], question, by_topic, max_words=12)
+    assert cut[0].text == "控制台空闲超时由 20 分钟改为 15 分钟。"  # 9 words; the next sentence would pass 12
+    assert word_count("控制台空闲超时由 20 分钟改为 15 分钟。") == 9 and word_count("Ports 8443 and 8883.") == 4
 
 
 def test_markup_a_bold_lead_in_and_explaining_clauses_go():
