@@ -3,9 +3,10 @@
 Chunks live in a versioned physical index reached through an alias, so a full rebuild switches readers
 atomically. The index records its schema (text analyzer, embedding model and vector size): when either
 changes, the next ingest builds a new index from the old one's chunks, re-embedded when the model changed,
-and switches the alias to it, so vectors of two models never meet in one index. Hybrid search runs server-side (``hybrid`` query plus a normalization or RRF search pipeline)
-when the neural-search plugin is installed; otherwise a BM25 and a k-NN query are fused here with the
-same arithmetic, kept as pure functions below.
+and switches the alias to it, so vectors of two models never meet in one index. Hybrid search runs
+server-side (``hybrid`` query plus a normalization or RRF search pipeline) when the neural-search plugin
+is installed; otherwise a BM25 and a k-NN query are fused here with the same arithmetic, kept as pure
+functions below.
 
 Every call has one time budget (``timeout_s``) that covers its retries: an unreachable cluster raises
 ``RetrievalUnavailable`` within that budget instead of hanging.
