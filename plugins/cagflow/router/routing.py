@@ -376,7 +376,8 @@ class Router:
             if match.in_scope and match.doc_id in in_release:
                 plan.route, plan.reason, plan.doc_id = "cache", "in_scope", match.doc_id
             elif (match.doc_id in in_release and match.newer_other and match.score >= self.scope.threshold
-                  and self._updates_wanted(query)):
+                  and match.score >= match.other_score - self.config.service.update_margin
+                  and self._updates_wanted(query)):  # the newer text about as close as the document: an update
                 plan.route, plan.reason, plan.doc_id = "cache", "newer_update", match.doc_id
         plan.timings_ms["route"] = _milliseconds(started)
         return plan
