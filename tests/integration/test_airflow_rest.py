@@ -165,7 +165,8 @@ def test_a_run_triggered_through_the_rest_api_succeeds(tmp_path, tiny_model_dir,
         assert run["run_type"] == "manual" and run["conf"] == {}
         instances = run["task_instances"]
         assert {ti["state"] for ti in instances} == {"success"}
-        mapped = sorted(ti["rendered_map_index"] for ti in instances if ti["task_id"] == "precompute")
+        # one precompute task per document, or per part ("doc#1") of one too long for the tiny model's context
+        mapped = sorted({ti["rendered_map_index"].split("#")[0] for ti in instances if ti["task_id"] == "precompute"})
         assert mapped == sorted(entry.doc_id for entry in corpus.tier("fixed"))
         # progress was reported while waiting: every task was seen, each ending in success, and every task
         # state change appears once, in order (old state = the previous new state)

@@ -196,11 +196,13 @@ def test_precompute_publishes_verified_snapshots_and_searchable_chunks(sample_ru
     assert run.state == "success", states(run)
     store, index = use(f"file://{sample_run['root']}", index="sample-chunks")
     fixed_ids = [entry.doc_id for entry in corpus.tier("fixed")]
-    mapped = [name for name in states(run) if name.startswith("precompute[")]
-    assert sorted(mapped) == sorted(f"precompute[{doc_id}]" for doc_id in fixed_ids)
+    mapped = [name for name in states(run) if name.startswith("precompute[")]  # "precompute[doc]" or "[doc#1]"
+    assert sorted({name.split("#")[0].rstrip("]") + "]" for name in mapped}) == sorted(
+        f"precompute[{doc_id}]" for doc_id in fixed_ids)
 
     release = assert_release_verifies(store, fixed_ids)
-    assert len(release.snapshots) == len(mapped)
+    # one snapshot per document, or per part of one too long for the tiny model's context (the Chinese ones)
+    assert {entry.doc_id for entry in release.snapshots} == set(fixed_ids) and len(release.snapshots) >= len(mapped)
     assert returned(run, "publish_release")["release_id"] == release.release_id
     assert returned(run, "request_serving_reload")["requested"] is False  # serving is down: tolerated
     summary = returned(run, "validate_snapshots")
