@@ -33,11 +33,11 @@ IN_SCOPE = ("What is the minimum password length?", "security-access-policy")  #
 OUT_OF_SCOPE = "On what date is the eu-west database upgrade maintenance scheduled?"  # a variable document
 VARIABLE_DOC = "maintenance-2025-01-eu-west-database-upgrade"
 CORRUPTED_DOC = "data-retention-backup-guide"  # never asked before its snapshot is corrupted
-OFF_TOPIC = "Can you give me a recipe for banana bread?"  # closest sample chunk ~0.1
+OFF_TOPIC = "Can you give me a recipe for banana bread?"  # far below every sample chunk on e5's scale
 # The policy says 6 attempts; an amendment published after it says 5.
 UPDATED = ("After how many consecutive failed sign-in attempts is an account locked?", "security-access-policy",
            "security-policy-amendment-2025-01")
-ANSWERABLE_THRESHOLD = 0.25
+ANSWERABLE_THRESHOLD = 0.8  # e5 cosines: related text 0.85 and up
 # The answer record as the README documents it (tests/unit/client/test_cli.py holds `ask --local` to it).
 ANSWER_FIELDS = {"answer", "answered", "decline_reason", "route", "route_reason", "cache_hit", "fallback_reason",
                  "snapshot", "citations", "suggestions", "unsupported_figures", "scope_score", "best_score",
@@ -97,8 +97,8 @@ def router_settings(opensearch_url, index, triton, store, keys_path) -> dict[str
     return {"CAGFLOW__RETRIEVAL__ENDPOINT": opensearch_url, "CAGFLOW__RETRIEVAL__INDEX": index,
             "CAGFLOW__SERVICE__TRITON_URL": triton.http_url, "CAGFLOW__SERVICE__TRITON_GRPC_URL": triton.grpc_url,
             "CAGFLOW__SERVICE__TRITON_METRICS_URL": triton.metrics_url,
-            "CAGFLOW__SERVICE__API_KEYS_FILE": str(keys_path), "CAGFLOW__SERVICE__IN_SCOPE_THRESHOLD": "0.5",
-            "CAGFLOW__SERVICE__ANSWERABLE_THRESHOLD": str(ANSWERABLE_THRESHOLD),
+            "CAGFLOW__SERVICE__API_KEYS_FILE": str(keys_path), "CAGFLOW__SERVICE__IN_SCOPE_THRESHOLD": "0.83",
+            "CAGFLOW__SERVICE__ANSWERABLE_THRESHOLD": str(ANSWERABLE_THRESHOLD), "CAGFLOW__SERVICE__UPDATE_MARGIN": "0.05",
             "CAGFLOW__SERVICE__RATE_LIMIT_PER_S": "1000", "CAGFLOW__SERVICE__RATE_LIMIT_BURST": "1000",
             "CAGFLOW__SERVICE__TRITON_TIMEOUT_S": "60", "CAGFLOW__SERVICE__RETRIES": "0",
             "CAGFLOW__CACHE__STATE_STORE": f"file://{store.root}", "CAGFLOW__CACHE__MAX_RESIDENT_STATES": "3",
