@@ -104,6 +104,25 @@ class RetrievalConfig(_Section):
         return value
 
 
+class RelevanceConfig(_Section):
+    """The relevance check (README "REST API"): after answering from a document or passages, the model is
+    asked whether that text answers the question, and its probability of "yes" decides. Thresholds per
+    question language, as the model's yes/no scale differs between them; `cagflow bench answers` calibrates
+    them."""
+
+    enabled: bool = True
+    # An answer is declined (not_in_documents) below this.
+    decline_below_en: float = Field(0.5, ge=0.0, le=1.0)
+    decline_below_zh: float = Field(0.9, ge=0.0, le=1.0)
+    # A decline by the model is asked again, without the option to decline, from this up (above 1: never).
+    reask_from_en: float = Field(1.1, ge=0.0)
+    reask_from_zh: float = Field(0.96, ge=0.0)
+
+    def thresholds(self, language: str) -> tuple[float, float]:
+        """(decline below, re-ask from) for questions in ``language``."""
+        return getattr(self, f"decline_below_{language}"), getattr(self, f"reask_from_{language}")
+
+
 class ModelConfig(_Section):
     path: str = "qwen2.5-1.5b"  # the default tier: see README "Models" and `cagflow bench answers`
     max_context_tokens: int = Field(8192, ge=256)
@@ -113,6 +132,7 @@ class ModelConfig(_Section):
     # log). fp32: the reference, ~5x slower. A snapshot belongs to one precision (it is in the fingerprint).
     precision: Literal["int8", "fp32"] = "int8"
     threads: int = Field(1, ge=0)  # torch threads per process; 0 = torch default. See README "Thread policy"
+    relevance: RelevanceConfig = RelevanceConfig()
 
     @field_validator("max_new_tokens")
     @classmethod

@@ -98,6 +98,14 @@ def test_cache_path_is_token_identical_to_the_full_prompt(server, tiny):
     assert reply["TOKEN_IDS"] == expected.token_ids and reply["ANSWER"] == expected.text
     assert reply["CACHE_HIT"] is True and reply["ROUTE"] == "cache"
     assert reply["REUSED_TOKENS"] == entry.n_tokens and reply["PROMPT_TOKENS"] == expected.prompt_tokens
+    # the relevance check (declining English answers below 0.5 by default) read the same snapshot in place
+    if expected.answered:
+        relevance = engine.relevance(QUESTION, load_snapshot(store, entry))
+        assert reply["RELEVANCE"] == pytest.approx(relevance, abs=1e-3)
+        assert reply["ANSWERED"] is (relevance >= 0.5)
+        assert reply["DECLINE_REASON"] == ("" if relevance >= 0.5 else "not_in_documents")
+    else:
+        assert reply["RELEVANCE"] == -1.0 and reply["ANSWERED"] is False and reply["DECLINE_REASON"]
     assert reply["SNAPSHOT_KEY"] == entry.key and reply["RELEASE_ID"] == release.release_id
     assert reply["REQUEST_ID"] == "exact-1" and reply["TTFT_MS"] > 0 and reply["GEN_MS"] >= reply["TTFT_MS"]
 

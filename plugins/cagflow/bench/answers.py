@@ -48,7 +48,8 @@ def _scored(item: QAItem, reply: dict, seconds: float) -> dict:
             "route": reply.get("route"), "cache_doc_id": snapshot.get("doc_id"),
             "ttft_s": (reply.get("timings_ms") or {}).get("ttft", 0.0) / 1000,
             "decline_reason": reply.get("decline_reason"), "seconds": seconds,
-            "computed": reply.get("answer_source") in (None, "computed"), "model_answer": reply.get("model_answer")}
+            "computed": reply.get("answer_source") in (None, "computed"), "model_answer": reply.get("model_answer"),
+            "relevance": reply.get("relevance")}
 
 
 def ask_all(client, items: list[QAItem], max_new_tokens: int,
@@ -166,6 +167,49 @@ def summarise(rows: list[dict]) -> dict:
             "unanswerable_declined_by": declines}
 
 
+RELEVANCE_GRID = tuple(round(0.05 * step, 2) for step in range(20)) + (0.96, 0.97, 0.98, 0.99)
+KEEP_RIGHT = 0.98  # the decline threshold may cost at most 2 % of the answers that were right
+
+
+def _right_at(item: QAItem, auto: dict, threshold: float) -> bool:
+    """Whether the auto route's answer would be right under another decline threshold of the relevance
+    check: an answer the model gave and was asked about stands when its relevance reaches the threshold (a
+    ``not_in_documents`` decline keeps the model's words as ``model_answer``); every other verdict does not
+    depend on it."""
+    relevance = auto.get("relevance")
+    if relevance is None or auto.get("decline_reason") not in (None, "not_in_documents"):
+        return auto["correct"]
+    return item.is_correct(auto.get("model_answer") or auto["answer"], relevance >= threshold)
+
+
+def relevance_sweep(rows: list[dict], items: dict[str, QAItem]) -> dict:
+    """Per question language: right answers of the auto route for every decline threshold of the grid, on
+    the calibration half and the held-out half. The calibrated threshold is the highest that keeps ≥ 98 %
+    of the answerable questions' right answers on the calibration half; it is reported on the held-out half."""
+    calibration, held_out = (set(item.id for item in half) for half in halves(list(items.values())))
+    groups = {"answerable": lambda row: row["doc_id"] is not None and row["kind"] != "conflict",
+              "unanswerable": lambda row: row["doc_id"] is None}
+    sweeps = {}
+    for language in sorted({items[row["id"]].language for row in rows}):
+        mine = [row for row in rows if items[row["id"]].language == language]
+
+        def counts(ids: set[str]) -> dict:
+            return {str(threshold): {group: sum(_right_at(items[row["id"]], row["auto"], threshold)
+                                                for row in mine if row["id"] in ids and keep(row))
+                                     for group, keep in groups.items()}
+                    for threshold in RELEVANCE_GRID}
+
+        on_calibration, on_held_out = counts(calibration), counts(held_out)
+        unchecked = on_calibration["0.0"]["answerable"]
+        chosen = max(threshold for threshold in RELEVANCE_GRID
+                     if on_calibration[str(threshold)]["answerable"] >= KEEP_RIGHT * unchecked)
+        sizes = {half: {group: sum(1 for row in mine if row["id"] in ids and keep(row)) for group, keep in groups.items()}
+                 for half, ids in (("calibration", calibration), ("held_out", held_out))}
+        sweeps[language] = {"calibrated": chosen, "questions": sizes, "calibration": on_calibration,
+                            "held_out": on_held_out}
+    return sweeps
+
+
 def print_summary(title: str, summary: dict) -> None:
     print(f"\n{title}: {summary['questions']} questions")
     print(f"{'':<34}" + "".join(f"{route:>22}" for route in ROUTES))
@@ -180,6 +224,22 @@ def print_summary(title: str, summary: dict) -> None:
     print(f"wrong-document cache routes: {len(summary['wrong_document_cache_routes'])} "
           f"({summary['wrong_document_share']:.1%}) {summary['wrong_document_cache_routes']}; "
           f"unanswerable declined by: {summary['unanswerable_declined_by']}")
+
+
+def print_sweep(sweeps: dict, relevance) -> None:
+    for language, sweep in sweeps.items():
+        sizes = sweep["questions"]
+        print(f"\nrelevance check, {language} (auto route; decline below {relevance.thresholds(language)[0]}, "
+              f"calibrated {sweep['calibrated']}): right answerable / declined unanswerable")
+        print(f"{'threshold':>10} {'calibration half':>24} {'held-out half':>24}")
+        for threshold in RELEVANCE_GRID:
+            cells = []
+            for half in ("calibration", "held_out"):
+                cell, size = sweep[half][str(threshold)], sizes[half]
+                cells.append(f"{cell['answerable']:>3}/{size['answerable']:<3} "
+                             f"{cell['unanswerable']:>3}/{size['unanswerable']:<3}")
+            mark = " <- calibrated" if threshold == sweep["calibrated"] else ""
+            print(f"{threshold:>10} {cells[0]:>24} {cells[1]:>24}{mark}")
 
 
 def through_api(config: Config, args: argparse.Namespace) -> int:
@@ -210,15 +270,19 @@ def through_api(config: Config, args: argparse.Namespace) -> int:
     _similarities(rows)
     _, held_out = halves(items)
     held = {item.id for item in held_out}
+    sweep = relevance_sweep(rows, {item.id: item for item in items})
     report = {"model": config.model.path, "api": url, "max_new_tokens": MAX_NEW_TOKENS,
               "thresholds": {"in_scope": config.service.in_scope_threshold,
-                             "answerable": config.service.answerable_threshold},
+                             "answerable": config.service.answerable_threshold,
+                             "relevance": config.model.relevance.model_dump()},
+              "relevance_sweep": sweep,
               "seconds": time.perf_counter() - started, "all": summarise(rows),
               "held_out": summarise([row for row in rows if row["id"] in held]), "rows": rows}
     print(f"{config.model.path} through {url} ({MAX_NEW_TOKENS} new tokens at most); cells: right / asked, "
           "share, p50 seconds of the computed answers (a repeat served from the API's answer cache is left out)")
     print_summary("all questions", report["all"])
     print_summary("held-out half", report["held_out"])
+    print_sweep(sweep, config.model.relevance)
     saved = save_report("answers", report)
     if saved:
         print(f"written {saved}")

@@ -70,7 +70,8 @@ def cmd_ask_local(args: argparse.Namespace, config: Config) -> int:
             timings_ms={"ttft": round(answer.ttft_s * 1000, 2), "generate": round(answer.total_s * 1000, 2),
                         "total": round(answer.total_s * 1000, 2)},
             prompt_tokens=answer.prompt_tokens, reused_tokens=answer.reused_tokens,
-            generated_tokens=len(answer.token_ids), unsupported_figures=answer.unsupported), indent=2))
+            generated_tokens=len(answer.token_ids), unsupported_figures=answer.unsupported,
+            relevance=answer.relevance), indent=2))
     else:
         print(answer.text)
         print(f"[{answer.route} · {doc_id} · {answer.reused_tokens}/{answer.prompt_tokens} prompt tokens reused · "

@@ -22,13 +22,13 @@ from typing import Callable, Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
-from ..config import ModelConfig
+from ..config import ModelConfig, RelevanceConfig
 from ..errors import CagflowError
 from . import grounding
 from .documents import ParsedDocument, Section
 from .keys import validate_doc_id, validate_version
 from .model import LoadedModel, load_model
-from .prompt import Passage, PromptBuilder, PromptError, document_system, passages_system
+from .prompt import Passage, PromptBuilder, PromptError, document_system, language, passages_system, wording
 from .shared_prefix import SharedPrefixDecoder
 from .shared_prefix import supports as supports_shared_prefix
 from .snapshot import Snapshot
@@ -75,9 +75,14 @@ class Answer:
     snapshot_key: str | None = None
     answered: bool = True  # False: declined, or states figures its document or passages lack (core.grounding)
     unsupported: tuple[str, ...] = ()
+    relevance: float | None = None  # the model's P("yes") that its text answers the question (None: not asked)
+    not_relevant: bool = False  # declined because that probability was below the engine's threshold
+    reasked: bool = False  # the model declined, judged its text to answer after all, and was asked again
 
     @property
     def decline_reason(self) -> str | None:
+        if self.not_relevant:
+            return "not_in_documents"
         return grounding.Grounding(self.answered, self.unsupported).reason
 
     @property
@@ -103,11 +108,35 @@ def _grounded(text: str, source: str | None, question: str, **fields) -> Answer:
     return Answer(text, **fields, answered=verdict.answered, unsupported=verdict.unsupported)
 
 
+@dataclass
+class _Decoded:
+    """What one greedy decoding produced so far, and how much of its text has been shown."""
+
+    started: float  # perf_counter of the request, for ttft_s
+    tokens: list[int] = field(default_factory=list)
+    ttft_s: float = 0.0
+    finish: str = "length"
+    emitted: str = ""
+
+    def rest(self, tokenizer) -> Iterator[str]:
+        """The text not shown yet (what was held back)."""
+        text = tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if len(text) > len(self.emitted):
+            yield text[len(self.emitted):]
+
+    def answer(self, tokenizer, snapshot: Snapshot | None, context: Sequence[Passage] | None, question: str,
+               route: str, prompt_tokens: int, reused: int) -> Answer:
+        text = tokenizer.decode(self.tokens, skip_special_tokens=True).strip()
+        return _grounded(text, _source(snapshot, context), question, route=route, prompt_tokens=prompt_tokens,
+                         reused_tokens=reused, ttft_s=self.ttft_s, total_s=0.0, finish_reason=self.finish,
+                         token_ids=self.tokens, snapshot_key=str(snapshot.key) if snapshot is not None else None)
+
+
 class Engine:
     """Owns a loaded model; thread-compatible for reads of shared snapshots (torch releases the GIL)."""
 
     def __init__(self, loaded: LoadedModel, max_context_tokens: int = 8192, max_new_tokens: int = 128,
-                 question_budget_tokens: int = 256):
+                 question_budget_tokens: int = 256, relevance: RelevanceConfig | None = None):
         self.loaded = loaded
         self.model = loaded.model
         self.fast = loaded.fast
@@ -118,6 +147,7 @@ class Engine:
         self.max_context_tokens = min(max_context_tokens, limit)
         self.max_new_tokens = max_new_tokens
         self.question_budget_tokens = question_budget_tokens
+        self.relevance_check = relevance if relevance is not None and relevance.enabled else None
         self.eos_ids = loaded.eos_token_ids
         self.prefix_decoder = (SharedPrefixDecoder(self.model)
                                if self.fast is None and supports_shared_prefix(self.model) else None)
@@ -125,7 +155,7 @@ class Engine:
     @classmethod
     def from_config(cls, model: ModelConfig) -> "Engine":
         return cls(load_model(model.path, model.threads, model.precision), model.max_context_tokens,
-                   model.max_new_tokens, model.question_budget_tokens)
+                   model.max_new_tokens, model.question_budget_tokens, model.relevance)
 
     @property
     def fingerprint(self) -> str:
@@ -242,19 +272,22 @@ class Engine:
     # ---- answering -------------------------------------------------------------------------------
 
     def _plan(self, question: str, snapshot: Snapshot | None, context: Sequence[Passage] | None,
-              reuse_cache: bool) -> tuple[str, list[int], int]:
-        """Decide the route; return (route, all prompt ids, count of leading ids the snapshot holds). With a
-        snapshot, ``context`` holds the newer passages that follow the document (cache+retrieval)."""
+              reuse_cache: bool, may_decline: bool = True) -> tuple[str, list[int], int, int]:
+        """Decide the route; return (route, all prompt ids, count of leading ids the snapshot holds, count of
+        leading ids of the system turn). With a snapshot, ``context`` holds the newer passages that follow the
+        document (cache+retrieval)."""
         if snapshot is not None:
             self._check(snapshot)
             prompt = self.prompts.tokenize(snapshot.system_prompt, question, snapshot.prefix_token_ids,
-                                           updates=context or ())
+                                           updates=context or (), may_decline=may_decline)
             if reuse_cache:
-                return ("cache+retrieval" if context else "cache"), prompt.ids, prompt.prefix_len
-            return "full", prompt.ids, 0
+                return ("cache+retrieval" if context else "cache"), prompt.ids, prompt.prefix_len, prompt.prefix_len
+            return "full", prompt.ids, 0, prompt.prefix_len
         if context is not None:
-            return "retrieval", self.prompts.tokenize(passages_system(context, question), question).ids, 0
-        return "question-only", self.prompts.tokenize(QUESTION_ONLY_SYSTEM, question).ids, 0
+            prompt = self.prompts.tokenize(passages_system(context, question), question, may_decline=may_decline)
+            return "retrieval", prompt.ids, 0, prompt.prefix_len
+        prompt = self.prompts.tokenize(QUESTION_ONLY_SYSTEM, question, may_decline=may_decline)
+        return "question-only", prompt.ids, 0, prompt.prefix_len
 
     def _check_room(self, route: str, ids: list[int], reused: int, budget: int) -> None:
         if budget < 1:
@@ -270,10 +303,9 @@ class Engine:
                       updates: Sequence[Passage] | None = None) -> torch.Tensor:
         """Logits at the positions after the document (newer passages and question), with or without the
         snapshot: the exactness check."""
-        _, ids, reused = self._plan(question, snapshot, updates, reuse_cache)
-        prefix_len = len(snapshot.prefix_token_ids)
+        _, ids, reused, prefix_len = self._plan(question, snapshot, updates, reuse_cache)
         if self.fast is not None:
-            return self.fast.logits(self._fast_prefix(ids, reused, snapshot), ids[prefix_len:])
+            return self.fast.logits(self._fast_prefix(ids, reused, prefix_len, snapshot), ids[prefix_len:])
         if reused and self.prefix_decoder is not None:
             suffix = ids[reused:]
             cache = self.prefix_decoder.start(snapshot.keys, snapshot.values, 1, len(suffix))
@@ -282,14 +314,13 @@ class Engine:
         logits = self.model(input_ids=torch.tensor([ids[reused:]]), cache=cache, use_cache=True).logits[0]
         return logits[prefix_len - reused:]
 
-    def _fast_prefix(self, ids: list[int], reused: int, snapshot: Snapshot | None):
-        """The int8 engine's prefix for a prompt: the snapshot's tensors (cache route), the same prefix
-        computed now in the same blocks (full route: hence bitwise the cache route's numbers), or none."""
+    def _fast_prefix(self, ids: list[int], reused: int, prefix_len: int, snapshot: Snapshot | None):
+        """The int8 engine's prefix for a prompt: the snapshot's tensors (cache route), or the system turn
+        computed now in the same blocks (full route: hence bitwise the cache route's numbers; retrieval: kept,
+        so the relevance check after the answer prefills only its own question)."""
         if reused:
             return snapshot.keys, snapshot.values
-        if snapshot is not None:
-            return self.fast.prefill_prefix(ids[:len(snapshot.prefix_token_ids)])
-        return None
+        return self.fast.prefill_prefix(ids[:prefix_len])
 
     @torch.inference_mode()
     def _greedy_rows(self, suffixes: Sequence[list[int]], snapshot: Snapshot, budget: int,
@@ -320,13 +351,12 @@ class Engine:
 
     @torch.inference_mode()
     def _greedy(self, ids: list[int], reused: int, snapshot: Snapshot | None, budget: int,
-                eos: frozenset[int] | None = None) -> Iterator[int]:
+                eos: frozenset[int] | None = None, prefix=None) -> Iterator[int]:
         """Greedy tokens for one prompt until EOS (yielded; ``eos`` defaults to the model's) or ``budget``
-        tokens."""
+        tokens; ``prefix`` is the int8 engine's (``_fast_prefix``)."""
         eos = self.eos_ids if eos is None else eos
         if self.fast is not None:
-            prefix = self._fast_prefix(ids, reused, snapshot)
-            start = prefix[0][0].shape[1] if prefix is not None else 0
+            start = prefix[0][0].shape[1]
             for step in self.fast.steps(prefix, [ids[start:]], budget, eos):
                 yield step[0][0]
             return
@@ -345,33 +375,59 @@ class Engine:
 
     def stream(self, question: str, snapshot: Snapshot | None = None, context: Sequence[Passage] | None = None,
                max_new_tokens: int | None = None, reuse_cache: bool = True) -> Iterator[str | Answer]:
-        """Yield text pieces as tokens are decoded, then the final ``Answer``."""
+        """Yield text pieces as tokens are decoded, then the final ``Answer``. Text that may still turn out to
+        be the decline sentence is held back: a decline the relevance check overrules is never shown."""
         started = time.perf_counter()
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        route, ids, reused = self._plan(question, snapshot, context, reuse_cache)
+        route, ids, reused, prefix_len = self._plan(question, snapshot, context, reuse_cache)
         self._check_room(route, ids, reused, budget)
-        generated: list[int] = []
-        emitted = ""
-        ttft = 0.0
-        finish = "length"
-        for token in self._greedy(ids, reused, snapshot, budget):
-            if not ttft:
-                ttft = time.perf_counter() - started
+        prefix = self._fast_prefix(ids, reused, prefix_len, snapshot) if self.fast is not None else None
+        decoded = _Decoded(started)
+        yield from self._decode(decoded, ids, reused, snapshot, budget, prefix, hold=wording(question).declined)
+        answer = decoded.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused)
+        if route != "question-only" and self._reask(answer, question, snapshot, context, reused, prefix):
+            route, ids, reused, _ = self._plan(question, snapshot, context, reuse_cache, may_decline=False)
+            self._check_room(route, ids, reused, budget)
+            again = _Decoded(started)
+            yield from self._decode(again, ids, reused, snapshot, budget, prefix)
+            relevance = answer.relevance
+            answer = again.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused)
+            answer.relevance, answer.reasked = relevance, True
+        else:
+            yield from decoded.rest(self.tokenizer)
+        answer.total_s = time.perf_counter() - started
+        yield answer
+
+    def _decode(self, decoded: "_Decoded", ids: list[int], reused: int, snapshot: Snapshot | None, budget: int,
+                prefix, hold: str = "") -> Iterator[str]:
+        """Greedy-decode into ``decoded``, yielding new text as it is known, except text that is still a start
+        of ``hold`` (and a half-decoded multi-byte character)."""
+        for token in self._greedy(ids, reused, snapshot, budget, prefix=prefix):
+            decoded.ttft_s = decoded.ttft_s or time.perf_counter() - decoded.started
             if token in self.eos_ids:
-                finish = "eos"
-                break
-            generated.append(token)
-            text = self.tokenizer.decode(generated, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):  # hold back a half-decoded multi-byte character
-                if len(text) > len(emitted):
-                    yield text[len(emitted):]
-                emitted = text
-        text = self.tokenizer.decode(generated, skip_special_tokens=True)
-        if len(text) > len(emitted):
-            yield text[len(emitted):]
-        yield _grounded(text.strip(), _source(snapshot, context), question, route=route, prompt_tokens=len(ids),
-                        reused_tokens=reused, ttft_s=ttft, total_s=time.perf_counter() - started, finish_reason=finish,
-                        token_ids=generated, snapshot_key=str(snapshot.key) if snapshot is not None else None)
+                decoded.finish = "eos"
+                return
+            decoded.tokens.append(token)
+            text = self.tokenizer.decode(decoded.tokens, skip_special_tokens=True)
+            if text.endswith("\ufffd") or (hold and hold.startswith(text.strip())):
+                continue
+            if len(text) > len(decoded.emitted):
+                yield text[len(decoded.emitted):]
+            decoded.emitted = text
+
+    def _reask(self, answer: Answer, question: str, snapshot: Snapshot | None, context: Sequence[Passage] | None,
+               reused: int, prefix) -> bool:
+        """The relevance check of an answer just decoded: an answer below the decline threshold is declined
+        (``not_relevant``); a decline by the model at or above the re-ask threshold is to be asked again without
+        the option to decline (returns True). A small model asked what its text does not say tends to answer
+        with the nearest fact; asked in Chinese, it often declines what its text does say."""
+        if self.relevance_check is None or not (answer.answered or answer.decline_reason == "model_declined"):
+            return False
+        decline_below, reask_from = self.relevance_check.thresholds(language(question))
+        answer.relevance = self.relevance(question, snapshot, context, reused, prefix)
+        if answer.answered and answer.relevance < decline_below:
+            answer.answered, answer.not_relevant = False, True
+        return not answer.answered and not answer.not_relevant and answer.relevance >= reask_from
 
     def answer(self, question: str, snapshot: Snapshot | None = None, context: Sequence[Passage] | None = None,
                max_new_tokens: int | None = None, reuse_cache: bool = True) -> Answer:
@@ -386,11 +442,12 @@ class Engine:
         """For benchmarks: exactly ``tokens`` greedy tokens (EOS does not stop them, so every run decodes the
         same count) on the route ``answer`` would take; returns (ttft_s, total_s, token ids)."""
         started = time.perf_counter()
-        route, ids, reused = self._plan(question, snapshot, None, reuse_cache)
+        route, ids, reused, prefix_len = self._plan(question, snapshot, None, reuse_cache)
         self._check_room(route, ids, reused, tokens)
+        prefix = self._fast_prefix(ids, reused, prefix_len, snapshot) if self.fast is not None else None
         generated: list[int] = []
         ttft = 0.0
-        for token in self._greedy(ids, reused, snapshot, tokens, eos=frozenset()):
+        for token in self._greedy(ids, reused, snapshot, tokens, eos=frozenset(), prefix=prefix):
             ttft = ttft or time.perf_counter() - started
             generated.append(token)
         return ttft, time.perf_counter() - started, generated
@@ -403,7 +460,7 @@ class Engine:
         started = time.perf_counter()
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         plans = [self._plan(question, snapshot, None, True) for question in questions]
-        for route, ids, reused in plans:
+        for route, ids, reused, _ in plans:
             self._check_room(route, ids, reused, budget)
         if (self.fast is None and self.prefix_decoder is None) or not plans:
             return [self.answer(question, snapshot=snapshot, max_new_tokens=budget) for question in questions]
@@ -411,7 +468,7 @@ class Engine:
         ttft = [0.0] * len(plans)
         finished = [0.0] * len(plans)
         finish = ["length"] * len(plans)
-        for step in self._greedy_rows([ids[reused:] for _, ids, reused in plans], snapshot, budget):
+        for step in self._greedy_rows([ids[reused:] for _, ids, reused, _ in plans], snapshot, budget):
             now = time.perf_counter() - started
             for row, token in step.items():
                 ttft[row] = ttft[row] or now
@@ -420,11 +477,50 @@ class Engine:
                     finish[row] = "eos"
                 else:
                     generated[row].append(token)
-        return [_grounded(self.tokenizer.decode(tokens, skip_special_tokens=True).strip(), snapshot.system_prompt,
-                          questions[row], route="cache", prompt_tokens=len(ids), reused_tokens=reused, ttft_s=ttft[row],
-                          total_s=finished[row], finish_reason=finish[row], token_ids=tokens,
-                          snapshot_key=str(snapshot.key))
-                for row, ((_, ids, reused), tokens) in enumerate(zip(plans, generated))]
+        answers = [_grounded(self.tokenizer.decode(tokens, skip_special_tokens=True).strip(), snapshot.system_prompt,
+                             questions[row], route="cache", prompt_tokens=len(ids), reused_tokens=reused,
+                             ttft_s=ttft[row], total_s=finished[row], finish_reason=finish[row], token_ids=tokens,
+                             snapshot_key=str(snapshot.key))
+                   for row, ((_, ids, reused, _), tokens) in enumerate(zip(plans, generated))]
+        if self.relevance_check is None:
+            return answers
+        prefix = (snapshot.keys, snapshot.values) if self.fast is not None else None
+        for row, (answer, question) in enumerate(zip(answers, questions)):
+            if self._reask(answer, question, snapshot, None, len(snapshot.prefix_token_ids), prefix):
+                _, ids, reused, _ = self._plan(question, snapshot, None, True, may_decline=False)
+                again = _Decoded(started)
+                for _ in self._decode(again, ids, reused, snapshot, budget, prefix):
+                    pass
+                answers[row] = again.answer(self.tokenizer, snapshot, None, question, "cache", len(ids), reused)
+                answers[row].relevance, answers[row].reasked = answer.relevance, True
+            answers[row].total_s = time.perf_counter() - started
+        return answers
+
+    @torch.inference_mode()
+    def relevance(self, question: str, snapshot: Snapshot | None = None, context: Sequence[Passage] | None = None,
+                  reused: int = 0, prefix=None) -> float:
+        """The model's probability that the document (``snapshot``) or passages (``context``; with a snapshot:
+        newer passages after it) answer ``question``: it is asked so, after the same system turn, and its
+        "yes" and "no" tokens are compared. The prompt shares the answer's prefix (``reused`` snapshot ids, or
+        the int8 engine's ``prefix``), so only the check's own tokens are prefilled."""
+        system = snapshot.system_prompt if snapshot is not None else passages_system(context or (), question)
+        prompt = self.prompts.tokenize_relevance(system, question, snapshot.prefix_token_ids if snapshot else None,
+                                                 updates=(context or ()) if snapshot is not None else ())
+        ids = prompt.ids
+        if self.fast is not None:
+            if prefix is None:
+                prefix = self.fast.prefill_prefix(ids[:prompt.prefix_len])
+            logits = self.fast.logits(prefix, ids[prompt.prefix_len:], last_only=True)[-1]
+        elif reused and self.prefix_decoder is not None:
+            cache = self.prefix_decoder.start(snapshot.keys, snapshot.values, 1, len(ids) - reused)
+            logits = self.prefix_decoder.step(cache, [ids[reused:]])[0]
+        else:
+            cache = self._cache_from(snapshot) if reused else DynamicCache(config=self.config)
+            logits = self.model(input_ids=torch.tensor([ids[reused:]]), cache=cache, use_cache=True).logits[0, -1]
+        words = wording(question)
+        yes, no = (self.prompts.encode(word)[0] for word in (words.yes, words.no))
+        return float(torch.softmax(logits[[yes, no]].float(), dim=0)[0])
+
 
 _WORD = re.compile(r"[a-z0-9]+")
 _HAN_RUN = re.compile(r"[\u4e00-\u9fff]+")

@@ -594,11 +594,12 @@ class FastLM:
         return keys, values
 
     @torch.inference_mode()
-    def logits(self, prefix: PrefixKV | None, suffix_ids: Sequence[int]) -> torch.Tensor:
-        """Logits fp32 [len(suffix_ids), vocab] at every suffix position (the exactness check)."""
+    def logits(self, prefix: PrefixKV | None, suffix_ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
+        """Logits fp32 [len(suffix_ids), vocab] at every suffix position (the exactness check), or [1, vocab] at
+        the last one (the vocabulary projection of every position costs more than the block itself)."""
         sk, sv = self._new_suffix(1, _round_up(len(suffix_ids), 16))
         hidden = self._block(torch.tensor([list(suffix_ids)]), prefix, sk, sv, torch.zeros(1, dtype=torch.long))
-        return self._head(hidden[0])
+        return self._head(hidden[0, -1:] if last_only else hidden[0])
 
     def answer(self, prefix: PrefixKV | None, suffix_ids: Sequence[int], max_new_tokens: int,
                eos_token_ids: Iterable[int] | None = None, keep_logits: bool = True) -> Generation:

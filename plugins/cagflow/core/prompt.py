@@ -40,7 +40,14 @@ class Wording:
     passages_instruction: str
     question_reminder: str
     updates_reminder: str
+    # The same without the option to decline: a question the model declined although it judged its text to
+    # answer it is asked again with these (core.engine, the relevance check).
+    answer_reminder: str
+    answer_updates_reminder: str
     newer_label: str
+    relevance_question: str  # asks whether the text answers ``{question}``, to be answered yes or no
+    yes: str
+    no: str
 
 
 # The reminder is repeated after the question, where a small model heeds it most: Qwen2.5-1.5B declined 22 of
@@ -63,14 +70,23 @@ WORDINGS = {
                            f"reply: {_EN_DECLINED})"),
         updates_reminder=("(Answer only from the texts above; a newer text overrides the document. If they do not "
                           f"answer this exact question, reply: {_EN_DECLINED})"),
-        newer_label="[Newer text]"),
+        answer_reminder="(Answer from the text above, in one or two short sentences.)",
+        answer_updates_reminder=("(Answer from the texts above, in one or two short sentences; a newer text overrides "
+                                 "the document.)"),
+        newer_label="[Newer text]",
+        relevance_question='Does the text above answer this question: "{question}"? Reply Yes or No.',
+        yes="Yes", no="No"),
     "zh": Wording(
         declined=_ZH_DECLINED,
         document_instruction=f"你是技术支持助手。只根据下面的文档回答用户的问题。{_ZH_GROUNDING}",
         passages_instruction=f"你是技术支持助手。只根据下面的文档回答用户的问题。{_ZH_GROUNDING}",
         question_reminder=f"（只根据上面的文本回答。如果它没有回答这个问题，请回复：{_ZH_DECLINED}）",
         updates_reminder=f"（只根据上面的文本回答；较新的文本优先于文档。如果它们没有回答这个问题，请回复：{_ZH_DECLINED}）",
-        newer_label="[较新文本]"),
+        answer_reminder="（请根据上面的文本用中文回答，一两句话即可。）",
+        answer_updates_reminder="（请根据上面的文本用中文回答，一两句话即可；较新的文本优先于文档。）",
+        newer_label="[较新文本]",
+        relevance_question="上面的文本能回答这个问题吗：“{question}”？只回答“是”或“否”。",
+        yes="是", no="否"),
 }
 DECLINED_ANSWER = _EN_DECLINED
 
@@ -165,18 +181,28 @@ class PromptBuilder:
             return self.tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False)
         return f"{system}\n\n"
 
-    def full_text(self, system: str, question: str, updates: Sequence[Passage] = ()) -> str:
+    def full_text(self, system: str, question: str, updates: Sequence[Passage] = (), may_decline: bool = True) -> str:
+        """The whole prompt; ``may_decline=False`` leaves the option to decline out of the reminder."""
         question = clean_question(question)
         words = wording(question)
         if updates:
-            question = f"{updates_text(updates, question)}\n\n{question}\n\n{words.updates_reminder}"
-        else:
-            question = f"{question}\n\n{words.question_reminder}"
+            reminder = words.updates_reminder if may_decline else words.answer_updates_reminder
+            return self._render(system, f"{updates_text(updates, question)}\n\n{question}\n\n{reminder}")
+        return self._render(system, f"{question}\n\n{words.question_reminder if may_decline else words.answer_reminder}")
+
+    def relevance_text(self, system: str, question: str, updates: Sequence[Passage] = ()) -> str:
+        """The prompt that asks, after the same system turn (and newer passages), whether the text answers the
+        question: answered by one yes or no token (``Engine.relevance``)."""
+        question = clean_question(question)
+        check = wording(question).relevance_question.format(question=question)
+        return self._render(system, f"{updates_text(updates, question)}\n\n{check}" if updates else check)
+
+    def _render(self, system: str, user: str) -> str:
         if self.chat:
             return self.tokenizer.apply_chat_template(
-                [{"role": "system", "content": system}, {"role": "user", "content": question}],
+                [{"role": "system", "content": system}, {"role": "user", "content": user}],
                 tokenize=False, add_generation_prompt=True)
-        return f"{system}\n\nQuestion: {question}\nAnswer:"
+        return f"{system}\n\nQuestion: {user}\nAnswer:"
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -185,13 +211,20 @@ class PromptBuilder:
         return self.encode(self.prefix_text(system))
 
     def tokenize(self, system: str, question: str, prefix_ids: Sequence[int] | None = None,
-                 updates: Sequence[Passage] = ()) -> TokenizedPrompt:
+                 updates: Sequence[Passage] = (), may_decline: bool = True) -> TokenizedPrompt:
         """Tokenise the full prompt once and split it where the prefix ends.
 
         ``prefix_ids`` (a snapshot's) must be a true prefix of the full ids, or reusing that cache would be wrong.
         """
+        return self._split(system, self.full_text(system, question, updates, may_decline), prefix_ids)
+
+    def tokenize_relevance(self, system: str, question: str, prefix_ids: Sequence[int] | None = None,
+                           updates: Sequence[Passage] = ()) -> TokenizedPrompt:
+        """The relevance check's prompt, split where the (shared) prefix ends, like ``tokenize``."""
+        return self._split(system, self.relevance_text(system, question, updates), prefix_ids)
+
+    def _split(self, system: str, full_text: str, prefix_ids: Sequence[int] | None) -> TokenizedPrompt:
         prefix_text = self.prefix_text(system)
-        full_text = self.full_text(system, question, updates)
         if not full_text.startswith(prefix_text):
             raise PromptError("the chat template does not render the system turn as a prefix of the prompt")
         ids = self.encode(full_text)

@@ -14,7 +14,7 @@ def answer_record(*, question: str, model_answer: str, answered: bool, decline_r
                   prompt_tokens: int, reused_tokens: int, generated_tokens: int,
                   unsupported_figures: Sequence[str] = (), citations: Sequence[dict] = (),
                   suggestions: Sequence[dict] = (), fallback_reason: str | None = None,
-                  scope_score: float | None = None, best_score: float | None = None,
+                  scope_score: float | None = None, best_score: float | None = None, relevance: float | None = None,
                   answer_source: str | None = "computed", request_id: str | None = None) -> dict[str, Any]:
     """A declined answer reads as the decline sentence in the question's language; what the model said
     instead is kept in ``model_answer`` when it differs (an answer held unsupported)."""
@@ -24,7 +24,7 @@ def answer_record(*, question: str, model_answer: str, answered: bool, decline_r
         "decline_reason": decline_reason, "route": route, "route_reason": route_reason, "cache_hit": cache_hit,
         "fallback_reason": fallback_reason, "snapshot": snapshot, "citations": list(citations),
         "suggestions": list(suggestions), "unsupported_figures": list(unsupported_figures),
-        "scope_score": scope_score, "best_score": best_score, "answer_source": answer_source,
+        "scope_score": scope_score, "best_score": best_score, "relevance": relevance, "answer_source": answer_source,
         "release_id": release_id, "finish_reason": finish_reason, "timings_ms": timings_ms,
         "tokens": {"prompt": prompt_tokens, "reused": reused_tokens, "generated": generated_tokens},
         "request_id": request_id,

@@ -24,8 +24,8 @@ When the cache route fails (snapshot not in Triton's release, unreadable or corr
 
 Declining: a question searched over the whole index whose closest chunk (of any document) is less similar
 than ``service.answerable_threshold`` is declined without the model, with the closest passages as
-``suggestions``. Triton's ``ANSWERED`` says whether the model declined or stated figures its source lacks
-(``cagflow.core.grounding``); a declined answer is replaced by the prompt's decline sentence, and the
+``suggestions``. Triton's ``ANSWERED`` says whether the model declined, stated figures its source lacks
+(``cagflow.core.grounding``) or, asked whether its text answers the question, said no (``RELEVANCE``); a declined answer is replaced by the prompt's decline sentence, and the
 model's words are kept as ``model_answer``. A cache answer cites the chunk of its document closest to the
 question and answer together.
 The active release is re-read from the store every ``service.release_poll_s`` and on ``reload``.
@@ -501,8 +501,10 @@ class Router:
         model_answer = outputs.get("ANSWER", "")
         unsupported = json.loads(outputs.get("UNSUPPORTED") or "[]")
         answered = bool(outputs.get("ANSWERED", True))
+        relevance = float(outputs.get("RELEVANCE", -1.0))
         if not answered:
-            decline_reason = decline_reason or ("unsupported_figures" if unsupported else "model_declined")
+            decline_reason = (decline_reason or outputs.get("DECLINE_REASON")
+                              or ("unsupported_figures" if unsupported else "model_declined"))
             citations = []
         elif hits is None:
             citations = self._cite(plan, query, model_answer) if plan.doc_id else []
@@ -541,7 +543,8 @@ class Router:
             route_reason=plan.reason, cache_hit=cache_hit, fallback_reason=fallback,
             snapshot=self._snapshot_info(outputs.get("SNAPSHOT_KEY", "")), citations=citations,
             suggestions=[] if answered else _citations(hits or plan.updates), unsupported_figures=unsupported,
-            scope_score=plan.scope_score, best_score=plan.best_score, answer_source=outputs.get("ANSWER_SOURCE"),
+            scope_score=plan.scope_score, best_score=plan.best_score, relevance=relevance if relevance >= 0 else None,
+            answer_source=outputs.get("ANSWER_SOURCE"),
             release_id=outputs.get("RELEASE_ID") or None, finish_reason=outputs.get("FINISH_REASON"),
             timings_ms=timings, prompt_tokens=int(outputs.get("PROMPT_TOKENS", 0)),
             reused_tokens=int(outputs.get("REUSED_TOKENS", 0)),

@@ -6,7 +6,8 @@ import pytest
 import torch
 from cagflow.core.documents import ParsedDocument, Section, parse_file
 from cagflow.core.engine import Answer, DocumentPart, Engine, SnapshotMismatch
-from cagflow.core.prompt import EmptyQuestionError, Passage, PromptError
+from cagflow.config import RelevanceConfig
+from cagflow.core.prompt import DECLINED_ANSWER, WORDINGS, EmptyQuestionError, Passage, PromptError
 from cagflow.core.snapshot import Snapshot
 from cagflow.inference.resident import load_snapshot
 from cagflow.offline.precompute import plan_parts, precompute_part
@@ -70,7 +71,7 @@ def test_cache_with_newer_passages_is_exact_against_the_full_prompt(small_parts)
 def test_newer_passages_stand_between_the_document_and_the_question(small_parts):
     engine, parts = small_parts
     snapshot = engine.precompute(parts[0])
-    _, ids, reused = engine._plan(QUESTIONS[0], snapshot, UPDATES, True)
+    _, ids, reused, _ = engine._plan(QUESTIONS[0], snapshot, UPDATES, True)
     suffix = engine.tokenizer.decode(ids[reused:])
     assert ids[:reused] == snapshot.prefix_token_ids
     assert "[Newer text] The web console now listens" in suffix and "2025-03-10" not in suffix
@@ -116,6 +117,66 @@ def test_retrieval_and_question_only_routes(small_parts):
     assert engine.answer("Which port?").route == "question-only"
     with pytest.raises(EmptyQuestionError):
         engine.answer("  ", context=[Passage("x")])
+
+
+def test_relevance_check_shares_the_answers_prefix_and_declines_below_its_threshold(small_parts):
+    engine, parts = small_parts
+    snapshot = engine.precompute(parts[0])
+    passages = [Passage("The console listens on 8443.", "Manual", "Ports")]
+    prefix = (snapshot.keys, snapshot.values) if engine.fast is not None else None
+    from_snapshot = engine.relevance(QUESTIONS[0], snapshot, reused=snapshot.n_tokens, prefix=prefix)
+    assert 0.0 <= from_snapshot <= 1.0
+    assert engine.relevance(QUESTIONS[0], snapshot) == pytest.approx(from_snapshot, abs=1e-5)  # prefix computed here
+
+    threshold = (from_snapshot + 1.0) / 2  # just above what the model says of this document
+    strict = Engine(engine.loaded, engine.max_context_tokens, engine.max_new_tokens, engine.question_budget_tokens,
+                    RelevanceConfig(decline_below_en=threshold))
+    for answer in (strict.answer(QUESTIONS[0], snapshot=snapshot),
+                   strict.answer(QUESTIONS[0], snapshot=snapshot, reuse_cache=False),
+                   strict.answer_batch(QUESTIONS[:1], snapshot)[0]):
+        if answer.decline_reason == "unsupported_figures":  # the grounding check declined it: not asked
+            assert answer.relevance is None
+            continue
+        assert answer.relevance == pytest.approx(from_snapshot, abs=1e-5)
+        if answer.decline_reason != "model_declined":
+            assert not answer.answered and answer.not_relevant and answer.decline_reason == "not_in_documents"
+    retrieval = strict.answer("Which port?", context=passages)
+    if retrieval.relevance is not None and retrieval.decline_reason != "model_declined":
+        assert retrieval.answered == (retrieval.relevance >= threshold)
+    assert strict.answer("Which port?").relevance is None  # a question alone has no text to check against
+    assert engine.answer(QUESTIONS[0], snapshot=snapshot).relevance is None  # no relevance check configured
+
+
+def test_a_decline_the_relevance_check_overrules_is_asked_again_and_never_shown(small_parts, monkeypatch):
+    """The tiny model never declines by itself: make every first attempt the decline sentence, and the check
+    say "yes", then the answer is the second attempt's (without the option to decline), streamed alone."""
+    engine, parts = small_parts
+    snapshot = engine.precompute(parts[0])
+    lenient = Engine(engine.loaded, engine.max_context_tokens, engine.max_new_tokens, engine.question_budget_tokens,
+                     RelevanceConfig(decline_below_en=0.0, reask_from_en=0.0))
+    plain = lenient.answer(QUESTIONS[1], snapshot=snapshot)
+    assert plain.answered and not plain.reasked and plain.relevance is not None
+    declined = lenient.tokenizer(DECLINED_ANSWER, add_special_tokens=False)["input_ids"]
+    decode = Engine._greedy
+
+    def first_attempt_declines(self, ids, *args, **kwargs):
+        if WORDINGS["en"].question_reminder in self.tokenizer.decode(ids):
+            yield from [*declined, *self.eos_ids]
+        else:
+            yield from decode(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_greedy", first_attempt_declines)
+    for reuse_cache in (True, False):
+        items = list(lenient.stream(QUESTIONS[1], snapshot=snapshot, reuse_cache=reuse_cache))
+        answer = items[-1]
+        assert answer.reasked and answer.relevance == pytest.approx(plain.relevance, abs=1e-5)
+        assert DECLINED_ANSWER not in "".join(items[:-1])  # the held-back decline never reached the stream
+        assert "".join(items[:-1]).strip() == answer.text and answer.text != DECLINED_ANSWER
+    never = Engine(engine.loaded, engine.max_context_tokens, engine.max_new_tokens, engine.question_budget_tokens,
+                   RelevanceConfig(decline_below_en=0.0, reask_from_en=1.1))
+    items = list(never.stream(QUESTIONS[1], snapshot=snapshot))
+    assert items[-1].decline_reason == "model_declined" and not items[-1].reasked
+    assert "".join(items[:-1]).strip() == DECLINED_ANSWER  # a decline that stands is shown once it is known
 
 
 def test_long_document_is_split_by_section_without_losing_text(tiny_engine, corpus):

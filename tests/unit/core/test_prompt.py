@@ -35,6 +35,18 @@ def test_prefix_ids_are_a_true_prefix(builder, question, body):
     assert prompt.ids == builder.encode(builder.full_text(system, question))
 
 
+@pytest.mark.parametrize("question", ["Which port?", "端口是多少？"])
+def test_relevance_prompt_follows_the_same_prefix_and_asks_in_the_questions_language(builder, question):
+    system = document_system("Manual", "The console listens on 8443.")
+    updates = [Passage("The console now listens on 9443.")]
+    plain = builder.tokenize_relevance(system, question)
+    assert plain.ids[:plain.prefix_len] == builder.prefix_ids(system)
+    words = WORDINGS["zh" if "端口" in question else "en"]
+    text = builder.relevance_text(system, question, updates)
+    assert words.relevance_question.format(question=question) in text and words.newer_label in text
+    assert builder.tokenize_relevance(system, question, updates=updates).prefix_len == plain.prefix_len
+
+
 @pytest.mark.parametrize("question", ["", "   ", "\n\t "])
 def test_empty_question_is_a_clear_error(builder, question):
     with pytest.raises(EmptyQuestionError, match="question is empty"):

@@ -168,3 +168,13 @@ def test_other_architectures_fall_back_to_the_transformers_cache(tmp_path, tiny_
     batch = engine.answer_batch(QUESTIONS[:2], snapshot)
     for question, answer in zip(QUESTIONS[:2], batch):
         assert answer.token_ids == engine.answer(question, snapshot=snapshot, reuse_cache=False).token_ids
+
+
+def test_relevance_from_the_snapshot_matches_the_check_prefilled_whole(engine_and_snapshots):
+    """The relevance check reads the snapshot in place, like the answer; both recipes agree with the check's
+    whole prompt computed from scratch."""
+    engine, snapshot, _ = engine_and_snapshots
+    prefix = (snapshot.keys, snapshot.values) if engine.fast is not None else None
+    for question in QUESTIONS[:2]:
+        from_snapshot = engine.relevance(question, snapshot, reused=snapshot.n_tokens, prefix=prefix)
+        assert engine.relevance(question, snapshot) == pytest.approx(from_snapshot, abs=1e-4)
