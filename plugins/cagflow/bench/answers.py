@@ -258,8 +258,10 @@ def through_api(config: Config, args: argparse.Namespace) -> int:
         items = [item for item in items if item.id in args.only.split(",")]
     if args.limit:
         items = items[:args.limit]
-    print(f"loading {config.model.path} here for the full-prompt route...", file=sys.stderr, flush=True)
-    full = full_prompt_answerer(config, MAX_NEW_TOKENS)
+    full = None
+    if not args.no_full_prompt:
+        print(f"loading {config.model.path} here for the full-prompt route...", file=sys.stderr, flush=True)
+        full = full_prompt_answerer(config, MAX_NEW_TOKENS)
 
     def progress(number: int, total: int, row: dict) -> None:
         marks = " ".join(f"{route} {'✓' if row[route]['correct'] else '✗'}" for route in ROUTES if route in row)

@@ -402,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--only", help="bench answers: ask only these question ids (q001,q002,...)")
     engine.add_argument("--language", choices=("en", "zh"),
                         help="bench answers: ask only the questions in this language")
+    engine.add_argument("--no-full-prompt", action="store_true",
+                        help="bench answers: leave out the full-prompt route (a whole document prefilled per "
+                             "question; token-identical to the cache route)")
     bench.set_defaults(run=cmd_bench)
 
     for service in SERVICES:
