@@ -53,9 +53,9 @@ def _scored(item: QAItem, reply: dict, seconds: float) -> dict:
 
 
 def ask_all(client, items: list[QAItem], max_new_tokens: int,
-            full_prompt: Callable[[QAItem], dict] | None = None, progress=None) -> list[dict]:
+            full_prompt: Callable[[QAItem], dict] | None = None, progress=None, each_route: bool = True) -> list[dict]:
     """One row per question: the API's own routing (``auto``) for every question; for fixed-document
-    questions also the cache route, retrieval and (given ``full_prompt``) the full prompt."""
+    questions also (``each_route``) the cache route, retrieval and (given ``full_prompt``) the full prompt."""
     from ..client.api_client import ApiError
 
     def ask(item: QAItem, **options) -> dict:
@@ -72,7 +72,7 @@ def ask_all(client, items: list[QAItem], max_new_tokens: int,
     for number, item in enumerate(items, start=1):
         row = {"id": item.id, "kind": item.kind, "in_scope": item.in_scope, "doc_id": item.doc_id,
                "reference": item.reference_answer}
-        if item.in_scope:  # before the API's own routing, whose answer would then come from the answer cache
+        if item.in_scope and each_route:  # before the API's own routing, which would get the answer cache's
             row["cache"] = ask(item, doc_id=item.doc_id, route="cache")
             row["retrieval"] = ask(item, route="retrieval")
             if full_prompt is not None and fixed % FULL_PROMPT_EVERY == 0:
@@ -259,7 +259,7 @@ def through_api(config: Config, args: argparse.Namespace) -> int:
     if args.limit:
         items = items[:args.limit]
     full = None
-    if not args.no_full_prompt:
+    if not args.no_full_prompt and not args.auto_only:
         print(f"loading {config.model.path} here for the full-prompt route...", file=sys.stderr, flush=True)
         full = full_prompt_answerer(config, MAX_NEW_TOKENS)
 
@@ -268,7 +268,7 @@ def through_api(config: Config, args: argparse.Namespace) -> int:
         print(f"[{number}/{total}] {row['id']} {marks}", file=sys.stderr, flush=True)
 
     started = time.perf_counter()
-    rows = ask_all(client, items, MAX_NEW_TOKENS, full, progress)
+    rows = ask_all(client, items, MAX_NEW_TOKENS, full, progress, each_route=not args.auto_only)
     _similarities(rows)
     _, held_out = halves(items)
     held = {item.id for item in held_out}

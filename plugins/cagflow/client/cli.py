@@ -405,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--no-full-prompt", action="store_true",
                         help="bench answers: leave out the full-prompt route (a whole document prefilled per "
                              "question; token-identical to the cache route)")
+    engine.add_argument("--auto-only", action="store_true",
+                        help="bench answers: ask each question once, routed by the API (no per-route comparison)")
     bench.set_defaults(run=cmd_bench)
 
     for service in SERVICES:
