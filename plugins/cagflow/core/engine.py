@@ -385,7 +385,7 @@ class Engine:
         decoded = _Decoded(started)
         yield from self._decode(decoded, ids, reused, snapshot, budget, prefix, hold=wording(question).declined)
         answer = decoded.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused)
-        if route != "question-only" and self._reask(answer, question, snapshot, context, reused, prefix):
+        if route != "question-only" and self._check_relevance(answer, question, snapshot, context, reused, prefix):
             route, ids, reused, _ = self._plan(question, snapshot, context, reuse_cache, may_decline=False)
             self._check_room(route, ids, reused, budget)
             again = _Decoded(started)
@@ -415,7 +415,7 @@ class Engine:
                 yield text[len(decoded.emitted):]
             decoded.emitted = text
 
-    def _reask(self, answer: Answer, question: str, snapshot: Snapshot | None, context: Sequence[Passage] | None,
+    def _check_relevance(self, answer: Answer, question: str, snapshot: Snapshot | None, context: Sequence[Passage] | None,
                reused: int, prefix) -> bool:
         """The relevance check of an answer just decoded: an answer below the decline threshold is declined
         (``not_relevant``); a decline by the model at or above the re-ask threshold is to be asked again without
@@ -486,7 +486,7 @@ class Engine:
             return answers
         prefix = (snapshot.keys, snapshot.values) if self.fast is not None else None
         for row, (answer, question) in enumerate(zip(answers, questions)):
-            if self._reask(answer, question, snapshot, None, len(snapshot.prefix_token_ids), prefix):
+            if self._check_relevance(answer, question, snapshot, None, len(snapshot.prefix_token_ids), prefix):
                 _, ids, reused, _ = self._plan(question, snapshot, None, True, may_decline=False)
                 again = _Decoded(started)
                 for _ in self._decode(again, ids, reused, snapshot, budget, prefix):
