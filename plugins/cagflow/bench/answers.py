@@ -203,7 +203,8 @@ def relevance_sweep(rows: list[dict], items: dict[str, QAItem]) -> dict:
         unchecked = on_calibration["0.0"]["answerable"]
         chosen = max(threshold for threshold in RELEVANCE_GRID
                      if on_calibration[str(threshold)]["answerable"] >= KEEP_RIGHT * unchecked)
-        sizes = {half: {group: sum(1 for row in mine if row["id"] in ids and keep(row)) for group, keep in groups.items()}
+        sizes = {half: {group: sum(1 for row in mine if row["id"] in ids and keep(row))
+                        for group, keep in groups.items()}
                  for half, ids in (("calibration", calibration), ("held_out", held_out))}
         sweeps[language] = {"calibrated": chosen, "questions": sizes, "calibration": on_calibration,
                             "held_out": on_held_out}

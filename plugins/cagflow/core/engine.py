@@ -415,8 +415,8 @@ class Engine:
                 yield text[len(decoded.emitted):]
             decoded.emitted = text
 
-    def _check_relevance(self, answer: Answer, question: str, snapshot: Snapshot | None, context: Sequence[Passage] | None,
-               reused: int, prefix) -> bool:
+    def _check_relevance(self, answer: Answer, question: str, snapshot: Snapshot | None,
+                         context: Sequence[Passage] | None, reused: int, prefix) -> bool:
         """The relevance check of an answer just decoded: an answer below the decline threshold is declined
         (``not_relevant``); a decline by the model at or above the re-ask threshold is to be asked again without
         the option to decline (returns True). A small model asked what its text does not say tends to answer

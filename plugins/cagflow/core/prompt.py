@@ -188,7 +188,8 @@ class PromptBuilder:
         if updates:
             reminder = words.updates_reminder if may_decline else words.answer_updates_reminder
             return self._render(system, f"{updates_text(updates, question)}\n\n{question}\n\n{reminder}")
-        return self._render(system, f"{question}\n\n{words.question_reminder if may_decline else words.answer_reminder}")
+        reminder = words.question_reminder if may_decline else words.answer_reminder
+        return self._render(system, f"{question}\n\n{reminder}")
 
     def relevance_text(self, system: str, question: str, updates: Sequence[Passage] = ()) -> str:
         """The prompt that asks, after the same system turn (and newer passages), whether the text answers the

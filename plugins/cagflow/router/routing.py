@@ -25,9 +25,10 @@ When the cache route fails (snapshot not in Triton's release, unreadable or corr
 Declining: a question searched over the whole index whose closest chunk (of any document) is less similar
 than ``service.answerable_threshold`` is declined without the model, with the closest passages as
 ``suggestions``. Triton's ``ANSWERED`` says whether the model declined, stated figures its source lacks
-(``cagflow.core.grounding``) or, asked whether its text answers the question, said no (``RELEVANCE``); a declined answer is replaced by the prompt's decline sentence, and the
-model's words are kept as ``model_answer``. A cache answer cites the chunk of its document closest to the
-question and answer together.
+(``cagflow.core.grounding``) or, asked whether its text answers the question, said no (``RELEVANCE``);
+a declined answer is replaced by the prompt's decline sentence, and the model's words are kept as
+``model_answer``. A cache answer cites the chunk of its document closest to the question and answer
+together.
 The active release is re-read from the store every ``service.release_poll_s`` and on ``reload``.
 """
 
