@@ -37,6 +37,7 @@ OFF_TOPIC = "Can you give me a recipe for banana bread?"  # far below every samp
 # The policy says 6 attempts; an amendment published after it says 5.
 UPDATED = ("After how many consecutive failed sign-in attempts is an account locked?", "security-access-policy",
            "security-policy-amendment-2025-01")
+DECLINE_BELOW = 0.5  # the relevance check's decline threshold for the tiny model's English answers
 ANSWERABLE_THRESHOLD = 0.8  # e5 cosines: related text 0.85 and up
 # The answer record as the README documents it (tests/unit/client/test_cli.py holds `ask --local` to it).
 ANSWER_FIELDS = {"answer", "answered", "decline_reason", "route", "route_reason", "cache_hit", "fallback_reason",
@@ -73,7 +74,8 @@ def triton_environment(model_dir, store_root) -> dict[str, str]:
     return {"CAGFLOW__MODEL__PATH": str(model_dir), "CAGFLOW__MODEL__MAX_CONTEXT_TOKENS": "2048",
             "CAGFLOW__MODEL__MAX_NEW_TOKENS": str(MAX_NEW_TOKENS), "CAGFLOW__MODEL__QUESTION_BUDGET_TOKENS": "128",
             "CAGFLOW__CACHE__STATE_STORE": f"file://{store_root}", "CAGFLOW__CACHE__MAX_RESIDENT_STATES": "3",
-            "CAGFLOW__CACHE__PRELOAD_ON_STARTUP": "false"}
+            "CAGFLOW__CACHE__PRELOAD_ON_STARTUP": "false",
+            "CAGFLOW__MODEL__RELEVANCE__DECLINE_BELOW_EN": str(DECLINE_BELOW)}  # off by default: exercised here
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +156,7 @@ def test_in_scope_question_takes_the_cache_route(router, keys, release_store):
     assert set(answer) == ANSWER_FIELDS  # the shape `cagflow ask --local --json` prints too
     assert answer["tokens"]["prompt"] > answer["tokens"]["reused"] > 0 and answer["tokens"]["generated"] > 0
     # the tiny model's words hold no figure the policy lacks; whether it stands is the relevance check's call
-    assert 0.0 <= answer["relevance"] <= 1.0 and answer["answered"] is (answer["relevance"] >= 0.5)
+    assert 0.0 <= answer["relevance"] <= 1.0 and answer["answered"] is (answer["relevance"] >= DECLINE_BELOW)
     if answer["answered"]:  # citing a chunk of the policy
         assert answer["decline_reason"] is None and "model_answer" not in answer
         assert [citation["doc_id"] for citation in answer["citations"]] == [IN_SCOPE[1]]

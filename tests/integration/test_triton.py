@@ -39,6 +39,9 @@ def _load_client():
 client = _load_client()
 
 
+DECLINE_BELOW = 0.5  # the relevance check's decline threshold for the tiny model's English answers
+
+
 def server_environment(model_path, store_root, max_resident_states: int, max_context_tokens: int) -> dict[str, str]:
     return {
         "CAGFLOW__MODEL__PATH": str(model_path),
@@ -48,6 +51,7 @@ def server_environment(model_path, store_root, max_resident_states: int, max_con
         "CAGFLOW__CACHE__STATE_STORE": f"file://{store_root}",
         "CAGFLOW__CACHE__MAX_RESIDENT_STATES": str(max_resident_states),
         "CAGFLOW__CACHE__PRELOAD_ON_STARTUP": "true",
+        "CAGFLOW__MODEL__RELEVANCE__DECLINE_BELOW_EN": str(DECLINE_BELOW),  # off by default: exercised here
     }
 
 
@@ -98,12 +102,13 @@ def test_cache_path_is_token_identical_to_the_full_prompt(server, tiny):
     assert reply["TOKEN_IDS"] == expected.token_ids and reply["ANSWER"] == expected.text
     assert reply["CACHE_HIT"] is True and reply["ROUTE"] == "cache"
     assert reply["REUSED_TOKENS"] == entry.n_tokens and reply["PROMPT_TOKENS"] == expected.prompt_tokens
-    # the relevance check (declining English answers below 0.5 by default) read the same snapshot in place
+    # the relevance check read the same snapshot in place
     if expected.answered:
+        threshold = DECLINE_BELOW
         relevance = engine.relevance(QUESTION, load_snapshot(store, entry))
         assert reply["RELEVANCE"] == pytest.approx(relevance, abs=1e-3)
-        assert reply["ANSWERED"] is (relevance >= 0.5)
-        assert reply["DECLINE_REASON"] == ("" if relevance >= 0.5 else "not_in_documents")
+        assert reply["ANSWERED"] is (relevance >= threshold)
+        assert reply["DECLINE_REASON"] == ("" if relevance >= threshold else "not_in_documents")
     else:
         assert reply["RELEVANCE"] == -1.0 and reply["ANSWERED"] is False and reply["DECLINE_REASON"]
     assert reply["SNAPSHOT_KEY"] == entry.key and reply["RELEASE_ID"] == release.release_id

@@ -184,8 +184,9 @@ def _right_at(item: QAItem, auto: dict, threshold: float) -> bool:
 
 def relevance_sweep(rows: list[dict], items: dict[str, QAItem]) -> dict:
     """Per question language: right answers of the auto route for every decline threshold of the grid, on
-    the calibration half and the held-out half. The calibrated threshold is the highest that keeps ≥ 98 %
-    of the answerable questions' right answers on the calibration half; it is reported on the held-out half."""
+    the calibration half and the held-out half. Calibrated: of the thresholds that keep ≥ 98 % of the
+    answerable questions' right answers on the calibration half, the one declining the most unanswerable
+    ones there (the lowest of equals); it is reported on the held-out half."""
     calibration, held_out = (set(item.id for item in half) for half in halves(list(items.values())))
     groups = {"answerable": lambda row: row["doc_id"] is not None and row["kind"] != "conflict",
               "unanswerable": lambda row: row["doc_id"] is None}
@@ -201,8 +202,9 @@ def relevance_sweep(rows: list[dict], items: dict[str, QAItem]) -> dict:
 
         on_calibration, on_held_out = counts(calibration), counts(held_out)
         unchecked = on_calibration["0.0"]["answerable"]
-        chosen = max(threshold for threshold in RELEVANCE_GRID
-                     if on_calibration[str(threshold)]["answerable"] >= KEEP_RIGHT * unchecked)
+        safe = [threshold for threshold in RELEVANCE_GRID
+                if on_calibration[str(threshold)]["answerable"] >= KEEP_RIGHT * unchecked]
+        chosen = max(safe, key=lambda threshold: (on_calibration[str(threshold)]["unanswerable"], -threshold))
         sizes = {half: {group: sum(1 for row in mine if row["id"] in ids and keep(row))
                         for group, keep in groups.items()}
                  for half, ids in (("calibration", calibration), ("held_out", held_out))}

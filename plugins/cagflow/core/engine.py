@@ -421,9 +421,11 @@ class Engine:
         (``not_relevant``); a decline by the model at or above the re-ask threshold is to be asked again without
         the option to decline (returns True). A small model asked what its text does not say tends to answer
         with the nearest fact; asked in Chinese, it often declines what its text does say."""
-        if self.relevance_check is None or not (answer.answered or answer.decline_reason == "model_declined"):
+        if self.relevance_check is None:
             return False
         decline_below, reask_from = self.relevance_check.thresholds(language(question))
+        if not (answer.answered and decline_below > 0 or answer.decline_reason == "model_declined" and reask_from <= 1):
+            return False
         answer.relevance = self.relevance(question, snapshot, context, reused, prefix)
         if answer.answered and answer.relevance < decline_below:
             answer.answered, answer.not_relevant = False, True

@@ -58,6 +58,6 @@ def test_relevance_sweep_replays_each_threshold_and_calibrates_on_one_half_only(
     assert sweep["calibration"]["0.5"] == {"answerable": 2, "unanswerable": 1}  # u2 (0.45) declined
     assert sweep["calibration"]["0.65"] == {"answerable": 2, "unanswerable": 2}
     assert sweep["calibration"]["0.85"] == {"answerable": 1, "unanswerable": 2}  # a2 (0.8) lost
-    assert sweep["calibrated"] == 0.8  # the highest threshold keeping both right answers of the calibration half
+    assert sweep["calibrated"] == 0.65  # keeps both right answers and declines both unanswerable ones, lowest such
     assert sweep["held_out"]["0.3"] == {"answerable": 1, "unanswerable": 1}  # a1 (0.35) stands, u1 (0.2) declined
     assert sweep["held_out"]["0.8"] == {"answerable": 0, "unanswerable": 2}
