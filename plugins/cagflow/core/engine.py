@@ -386,16 +386,27 @@ class Engine:
         yield from self._decode(decoded, ids, reused, snapshot, budget, prefix, hold=wording(question).declined)
         answer = decoded.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused)
         if route != "question-only" and self._check_relevance(answer, question, snapshot, context, reused, prefix):
-            route, ids, reused, _ = self._plan(question, snapshot, context, reuse_cache, may_decline=False)
-            self._check_room(route, ids, reused, budget)
-            again = _Decoded(started)
-            yield from self._decode(again, ids, reused, snapshot, budget, prefix)
-            relevance = answer.relevance
-            answer = again.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused)
-            answer.relevance, answer.reasked = relevance, True
+            for item in self._answer_again(answer, question, snapshot, context, reuse_cache, budget, prefix, started):
+                if isinstance(item, Answer):
+                    answer = item
+                else:
+                    yield item
         else:
             yield from decoded.rest(self.tokenizer)
         answer.total_s = time.perf_counter() - started
+        yield answer
+
+    def _answer_again(self, declined: Answer, question: str, snapshot: Snapshot | None,
+                      context: Sequence[Passage] | None, reuse_cache: bool, budget: int, prefix,
+                      started: float) -> Iterator[str | Answer]:
+        """Ask a declined question again without the option to decline, over the same prefix: yields the new
+        text as it is decoded, then the new answer, which keeps the decline's relevance."""
+        route, ids, reused, _ = self._plan(question, snapshot, context, reuse_cache, may_decline=False)
+        self._check_room(route, ids, reused, budget)
+        again = _Decoded(started)
+        yield from self._decode(again, ids, reused, snapshot, budget, prefix)
+        answer = again.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused)
+        answer.relevance, answer.reasked = declined.relevance, True
         yield answer
 
     def _decode(self, decoded: "_Decoded", ids: list[int], reused: int, snapshot: Snapshot | None, budget: int,
@@ -489,12 +500,7 @@ class Engine:
         prefix = (snapshot.keys, snapshot.values) if self.fast is not None else None
         for row, (answer, question) in enumerate(zip(answers, questions)):
             if self._check_relevance(answer, question, snapshot, None, len(snapshot.prefix_token_ids), prefix):
-                _, ids, reused, _ = self._plan(question, snapshot, None, True, may_decline=False)
-                again = _Decoded(started)
-                for _ in self._decode(again, ids, reused, snapshot, budget, prefix):
-                    pass
-                answers[row] = again.answer(self.tokenizer, snapshot, None, question, "cache", len(ids), reused)
-                answers[row].relevance, answers[row].reasked = answer.relevance, True
+                *_, answers[row] = self._answer_again(answer, question, snapshot, None, True, budget, prefix, started)
             answers[row].total_s = time.perf_counter() - started
         return answers
 

@@ -173,6 +173,14 @@ def test_a_decline_the_relevance_check_overrules_is_asked_again_and_never_shown(
         assert answer.reasked and answer.relevance == pytest.approx(relevance, abs=1e-5)
         assert DECLINED_ANSWER not in "".join(items[:-1])  # the held-back decline never reached the stream
         assert "".join(items[:-1]).strip() == answer.text and answer.text != DECLINED_ANSWER
+
+    def every_row_declines(self, suffixes, *args, **kwargs):
+        for token in [*declined, next(iter(self.eos_ids))]:
+            yield {row: token for row in range(len(suffixes))}
+
+    monkeypatch.setattr(Engine, "_greedy_rows", every_row_declines)
+    batched = lenient.answer_batch(QUESTIONS[1:2], snapshot)[0]
+    assert batched.reasked and batched.token_ids == answer.token_ids and batched.answered == answer.answered
     never = Engine(engine.loaded, engine.max_context_tokens, engine.max_new_tokens, engine.question_budget_tokens,
                    RelevanceConfig(decline_below_en=0.0, reask_from_en=1.1))
     items = list(never.stream(QUESTIONS[1], snapshot=snapshot))
