@@ -206,6 +206,17 @@ def cmd_releases(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def cmd_capacity(args: argparse.Namespace, config: Config) -> int:
+    from .capacity import estimate, render
+
+    manifest = None if args.manifest is None else args.manifest or config.corpus.manifest
+    report = estimate(config, _store(config, args.store), manifest=manifest, copies=args.copies,
+                      target_qps=args.target_qps, seconds_per_request=args.seconds_per_request,
+                      bench=args.from_bench).to_dict()
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0
+
+
 def cmd_model(args: argparse.Namespace, config: Config) -> int:
     from ..core.model import prepare_model
 
@@ -368,6 +379,22 @@ def build_parser() -> argparse.ArgumentParser:
     releases.add_argument("--activate", metavar="RELEASE_ID")
     releases.add_argument("--store")
     releases.set_defaults(run=cmd_releases)
+
+    capacity = commands.add_parser("capacity", help="store size, memory per serving replica and replicas needed, "
+                                                    "from the active release or the corpus")
+    capacity.add_argument("--manifest", nargs="?", const="", metavar="FILE",
+                          help="estimate from the corpus manifest's fixed documents, tokenised by the configured "
+                               "model (default FILE: corpus.manifest), instead of the active release")
+    capacity.add_argument("--store", help="file:///dir or s3://bucket/prefix (default: cache.state_store)")
+    capacity.add_argument("--copies", type=int,
+                          help="versions of each snapshot the store holds (default: maintenance.keep_releases)")
+    capacity.add_argument("--target-qps", type=float, help="requests per second to serve: how many replicas")
+    capacity.add_argument("--seconds-per-request", type=float, help="what one request costs a replica")
+    capacity.add_argument("--from-bench", type=Path, metavar="FILE",
+                          help="read the cost of a request from a `cagflow bench answers` or `bench engine` report "
+                               "(bench/results/*.json)")
+    capacity.add_argument("--json", action="store_true", help="the estimate as JSON")
+    capacity.set_defaults(run=cmd_capacity)
 
     model = commands.add_parser("model", help="prepare the configured model (convert it once) and print its fingerprint")
     model.add_argument("action", nargs="?", choices=("prepare",), default="prepare",

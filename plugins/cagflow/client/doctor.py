@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..config import CACHE_HOME, Config
+from ..config import CACHE_HOME, Config, ModelConfig
 from ..errors import CagflowError
 
 SLOW_STORE_MB_S = 100.0  # below this a snapshot of ~80 MB takes about a second to load on a first request
@@ -63,6 +63,22 @@ def _active_release(config: Config):
         return store, None
 
 
+def model_folder(model: ModelConfig) -> Path:
+    """Where the configured model lives, without preparing it: a preset's folder may not exist yet."""
+    from ..core.model import PRESETS
+
+    return CACHE_HOME / "models" / model.path if model.path in PRESETS else Path(model.path).expanduser()
+
+
+def weights_bytes(model: ModelConfig) -> int:
+    """The weights one serving process holds: the int8 engine's prepared file (mapped, so shared by the
+    processes of a machine), else the folder's safetensors."""
+    folder = model_folder(model)
+    prepared = sorted((CACHE_HOME / "weights").glob(f"{folder.name}-*.fastlm"))  # what the int8 engine maps
+    return prepared[0].stat().st_size if prepared and model.precision == "int8" else sum(
+        path.stat().st_size for path in folder.glob("*.safetensors"))
+
+
 # ---- the rows ----------------------------------------------------------------------------------------
 
 
@@ -73,16 +89,14 @@ def service_does_not_start(config: Config) -> Verdict:
 
     symptom = "service does not start"
     spec = config.model.path
-    folder = CACHE_HOME / "models" / spec if spec in PRESETS else Path(spec).expanduser()
+    folder = model_folder(config.model)
     if spec in PRESETS and not (folder / "config.json").exists():
         return Verdict(symptom, "fail", f"model {spec} is not prepared ({folder} missing)",
                        "run `cagflow model prepare` before starting Triton (make run does)")
     if not folder.exists():
         return Verdict(symptom, "fail", f"model.path {spec!r} does not exist", "point model.path at a preset, "
                        "a Hugging Face folder or a .gguf file")
-    prepared = sorted((CACHE_HOME / "weights").glob(f"{folder.name}-*.fastlm"))  # what the int8 engine maps
-    weights = prepared[0].stat().st_size if prepared and config.model.precision == "int8" else sum(
-        path.stat().st_size for path in folder.glob("*.safetensors"))
+    weights = weights_bytes(config.model)
     available = _available_memory()
     needed = weights + config.cache.max_resident_bytes
     keys = ApiKeyStore(config.service.api_keys_file).list() if Path(config.service.api_keys_file).exists() else []
