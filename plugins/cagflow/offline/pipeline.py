@@ -77,7 +77,7 @@ def snapshot_store(config: Config | None = None) -> SnapshotStore:
     config = _config(config)
     connection = airflow_connection(S3_CONNECTION_ID)
     if connection is None:
-        return open_store(config.cache.state_store, config.cache.s3)
+        return open_store(config.cache.state_store, config.cache.s3, role="writer")
     extra = connection.extra_dejson
     url = extra.get("state_store", config.cache.state_store)
     settings = config.cache.s3.model_copy(update={
@@ -86,7 +86,9 @@ def snapshot_store(config: Config | None = None) -> SnapshotStore:
     })
     if not url.startswith("s3://"):
         raise ConfigError(f"connection {S3_CONNECTION_ID}: state store {url!r} is not an s3:// URL")
-    return open_store(url, settings, client=s3_client(settings, connection.login or None, connection.password or None))
+    # The connection's keys, when it has them, else the writer role's (then boto3's chain).
+    client = s3_client(settings, connection.login, connection.password or None) if connection.login else None
+    return open_store(url, settings, client=client, role="writer")
 
 
 def chunk_index(config: Config | None = None) -> ChunkIndex:

@@ -54,7 +54,7 @@ from ..search.chunking import sentences, word_count
 from ..search.embeddings import Embedder, get_embedder
 from ..search.retrieval import ChunkIndex, RetrievalError, RetrievalUnavailable, SearchHit
 from ..search.scope import ScopeDetector
-from ..store.backends import NotFound, SnapshotStore, StoreError, open_store
+from ..store.backends import NotFound, SnapshotStore, StoreError, StoreForbidden, open_store
 from ..store.layout import CURRENT_POINTER
 from ..store.manifests import Release, activate_release, list_releases, load_release
 from . import metrics
@@ -88,7 +88,7 @@ class Plan:
 SNAPSHOT_CORRUPT = frozenset({"snapshot_corrupt", "checksum_mismatch", "snapshot_format"})
 SNAPSHOT_UNAVAILABLE = frozenset({"snapshot_missing", "snapshot_mismatch", "snapshot_unusable", "snapshot_not_in_release",
                                   "no_active_release", "release_mismatch", "invalid_manifest", "store_unavailable",
-                                  "store_failed", "not_found"})
+                                  "store_forbidden", "store_failed", "not_found"})
 
 
 def fallback_reason(error: Exception) -> str:
@@ -199,7 +199,8 @@ class Router:
         index = ChunkIndex(retrieval.endpoint, retrieval.index, top_k=retrieval.top_k, timeout_s=retrieval.timeout_s,
                            max_retries=service.retries, embedder=embedder)
         scope = ScopeDetector(index, service.in_scope_threshold)
-        return cls(config, triton, index, scope, open_store(config.cache.state_store, config.cache.s3), embedder)
+        store = open_store(config.cache.state_store, config.cache.s3, role="reader")
+        return cls(config, triton, index, scope, store, embedder)
 
     # ---- lifecycle and releases ------------------------------------------------------------------------
 
@@ -285,6 +286,9 @@ class Router:
                 self._timed_store(activate_release, self.store, release_id)
             except NotFound:
                 raise ApiError(404, "unknown_release", f"release {release_id!r} is not in the store") from None
+            except StoreForbidden as exc:
+                raise ApiError(503, "store_read_only", f"{exc}; activate it with writer credentials "
+                               f"(`cagflow releases --activate {release_id}`), then reload without a release") from None
             except StoreError as exc:
                 raise ApiError(503, "store_unavailable", f"snapshot store unreachable: {exc}") from None
         try:

@@ -18,17 +18,20 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import Iterator, Literal
 from urllib.parse import urlparse
 
 import boto3
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
-from ..config import S3Config
+from ..config import ConfigError, S3Config, read_secret
 from ..errors import CagflowError
 
 _S3_ERRORS = (BotoCoreError, ClientError)
+
+# Which S3 credentials a process uses: serving only reads the store, the pipeline and admin commands write it.
+StoreRole = Literal["reader", "writer"]
 
 
 class StoreError(CagflowError):
@@ -59,6 +62,13 @@ class StoreUnavailable(StoreError):
     """The store cannot be reached or refused the credentials: callers degrade instead of failing hard."""
 
     code = "store_unavailable"
+
+
+class StoreForbidden(StoreUnavailable):
+    """The store refused the operation to these credentials (S3 AccessDenied), e.g. a write with the
+    serving side's read-only ones."""
+
+    code = "store_forbidden"
 
 
 @dataclass(frozen=True)
@@ -254,15 +264,17 @@ class LocalStore(SnapshotStore):
 
 
 class S3Store(SnapshotStore):
-    """An S3 bucket (AWS, SeaweedFS, MinIO...). Credentials come from boto3's usual chain (environment
-    variables, shared credential files, instance roles), never from the CAGFlow config."""
+    """An S3 bucket (AWS, SeaweedFS, MinIO...). Credentials are the ``role``'s (``s3_credentials``), else
+    boto3's usual chain (environment variables, shared credential files, instance roles), never the config."""
 
-    def __init__(self, bucket: str, prefix: str = "", settings: S3Config | None = None, client=None):
+    def __init__(self, bucket: str, prefix: str = "", settings: S3Config | None = None, client=None,
+                 role: StoreRole = "reader"):
         self.settings = settings or S3Config()
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
-        self.client = client or s3_client(self.settings)
+        self.role = role
+        self.client = client or s3_client(self.settings, *s3_credentials(role))
 
     def _key(self, name: str) -> str:
         _check_name(name)
@@ -271,10 +283,12 @@ class S3Store(SnapshotStore):
     def _name(self, key: str) -> str:
         return key[len(self.prefix) + 1:] if self.prefix else key
 
-    def _translate(self, exc: BotoCoreError | ClientError, name: str) -> StoreError:
+    def _translate(self, exc: BotoCoreError | ClientError, name: str, action: str = "read") -> StoreError:
         if isinstance(exc, ClientError):
             code = str(exc.response.get("Error", {}).get("Code", ""))
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code == "AccessDenied":
+                return StoreForbidden(f"{self.url}: the {self.role} credentials may not {action} {name} (AccessDenied)")
             if code in ("NoSuchKey", "404", "NotFound") or status == 404 and code != "NoSuchBucket":
                 return NotFound(f"{name} not found in {self.url}")
             if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
@@ -295,7 +309,7 @@ class S3Store(SnapshotStore):
             else:
                 self._put_multipart(key, data, digest, condition)
         except _S3_ERRORS as exc:
-            raise self._translate(exc, name) from None
+            raise self._translate(exc, name, "write") from None
         return ObjectInfo(name, len(data), digest, time.time())
 
     def _put_multipart(self, key: str, data: bytes, digest: str, condition: dict) -> None:
@@ -351,13 +365,13 @@ class S3Store(SnapshotStore):
                     name = self._name(item["Key"])
                     yield ObjectInfo(name, item["Size"], None, item["LastModified"].timestamp())
         except _S3_ERRORS as exc:
-            raise self._translate(exc, prefix or "<list>") from None
+            raise self._translate(exc, prefix or "<list>", "list") from None
 
     def delete(self, name: str) -> None:
         try:
             self.client.delete_object(Bucket=self.bucket, Key=self._key(name))
         except _S3_ERRORS as exc:
-            error = self._translate(exc, name)
+            error = self._translate(exc, name, "delete")
             if not isinstance(error, NotFound):
                 raise error from None
 
@@ -366,6 +380,22 @@ class S3Store(SnapshotStore):
             self.client.head_bucket(Bucket=self.bucket)
         except _S3_ERRORS as exc:
             raise StoreUnavailable(str(self._translate(exc, "<bucket>"))) from None
+
+
+def credential_variables(role: StoreRole) -> tuple[str, str]:
+    """The environment variables (each also as ``<NAME>_FILE``) holding ``role``'s access key id and secret."""
+    return f"CAGFLOW_S3_{role.upper()}_ACCESS_KEY_ID", f"CAGFLOW_S3_{role.upper()}_SECRET_ACCESS_KEY"
+
+
+def s3_credentials(role: StoreRole, environ: dict[str, str] | None = None) -> tuple[str | None, str | None]:
+    """``role``'s S3 key pair from the environment or secret files; (None, None) when not set, so boto3's
+    usual chain (``AWS_*`` variables, credential files, instance roles) applies."""
+    names = credential_variables(role)
+    access_key_id, secret_access_key = (read_secret(name, environ) for name in names)
+    if (access_key_id is None) != (secret_access_key is None):
+        raise ConfigError(f"{role} S3 credentials: set both {names[0]} and {names[1]} (or their _FILE forms), "
+                          "or neither")
+    return access_key_id, secret_access_key
 
 
 def s3_client(settings: S3Config, access_key_id: str | None = None, secret_access_key: str | None = None):
@@ -383,14 +413,15 @@ def s3_client(settings: S3Config, access_key_id: str | None = None, secret_acces
     ))
 
 
-def open_store(url: str, s3: S3Config | None = None, client=None) -> SnapshotStore:
+def open_store(url: str, s3: S3Config | None = None, client=None, *, role: StoreRole = "reader") -> SnapshotStore:
     """``file:///path`` (or a plain path) → LocalStore; ``s3://bucket/prefix`` → S3Store (with ``client``,
-    when given, instead of one built from ``s3``)."""
+    when given, instead of one built from ``s3`` and ``role``'s credentials). Only code that writes the store
+    (pipeline, admin commands) asks for the ``writer`` role."""
     parsed = urlparse(url)
     if parsed.scheme in ("", "file"):
         return LocalStore(parsed.path if parsed.scheme else url)
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise ValueError(f"store URL {url!r} names no bucket")
-        return S3Store(parsed.netloc, parsed.path, s3, client=client)
+        return S3Store(parsed.netloc, parsed.path, s3, client=client, role=role)
     raise ValueError(f"store URL {url!r}: unsupported scheme {parsed.scheme!r} (use file:// or s3://)")

@@ -13,7 +13,7 @@ import re
 import threading
 import time
 
-from .backends import NotFound, SnapshotStore, StoreError
+from .backends import NotFound, SnapshotStore, StoreError, StoreForbidden
 from .layout import HEAT_PREFIX, heat_object
 
 log = logging.getLogger("cagflow.heat")
@@ -109,6 +109,10 @@ class HeatLog:
         try:
             self.store.put(self.object_name, json.dumps(payload, sort_keys=True).encode(), overwrite=True)
             return True
+        except StoreForbidden as exc:  # read-only (serving) credentials: retrying every interval cannot help
+            self._stop.set()
+            log.warning("heat counts kept in memory only: %s", exc)
+            return False
         except (StoreError, ValueError) as exc:
             with self._lock:
                 self._dirty = True

@@ -17,7 +17,7 @@ class TritonPythonModel:
     def initialize(self, args):
         self.settings = tb.settings_from_args(args)
         tb.configure_logging(self.settings.instance_name)
-        self.runtime = Runtime.load(self.settings)
+        self.runtime = Runtime.load(self.settings, role="writer")
         log.info("ready: model %s, store %s", self.runtime.engine.fingerprint[:16], self.runtime.store.url)
 
     def execute(self, requests):
