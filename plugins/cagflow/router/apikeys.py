@@ -1,10 +1,16 @@
-"""API keys for the REST router: issue, verify, list and revoke.
+"""API keys for the REST router: issue, verify, list, rotate and revoke.
 
 A key reads ``cgf_<key_id>_<secret>``: the short hex id names the key in listings and logs, the secret
 (32 random bytes) authenticates. The keys file (``service.api_keys_file``; in a deployment it may be a
 mounted secret) holds only SHA-256 hashes, so a leaked file grants nothing; plain SHA-256 suffices
 because the secrets are random, not passwords. The file is rewritten atomically with mode 0600 and
 re-read whenever it changes on disk, so a key created while the router runs works at once.
+
+A key may expire (``expires``, UTC). Rotating a key issues its replacement (same name and role) and sets
+the old key to expire after an overlap, so clients can move to the new key without a moment when neither
+works; an expired key is refused as such, not as unknown. Every change is a read-modify-write under an
+exclusive lock on a lock file beside the keys file, so CLI runs, gunicorn workers and several routers can
+share one keys file; readers need no lock, as each write replaces the whole file atomically.
 
 For a local setup, ``ensure_local_keys`` issues one user and one admin key and keeps their plaintexts in
 a 0600 client credentials file (like ``~/.netrc``), which ``cagflow ask`` reads; ``CAGFLOW_API_KEY`` and
@@ -13,11 +19,13 @@ a 0600 client credentials file (like ``~/.netrc``), which ``cagflow ask`` reads;
 
 from __future__ import annotations
 
+import calendar
 import fcntl
 import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import tempfile
 import threading
@@ -36,7 +44,11 @@ SECRET_BYTES = 32
 CREDENTIALS_FILE = CACHE_HOME / "credentials.json"
 LOCAL_USER_KEY_NAME = "local-user"
 LOCAL_ADMIN_KEY_NAME = "local-admin"
-_FILE_FORMAT = '{"keys": [{"key_id", "name", "admin", "sha256", "created"}, ...]}'
+_FILE_FORMAT = '{"keys": [{"key_id", "name", "admin", "sha256", "created", "expires" (optional)}, ...]}'
+_UTC_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_SPAN_DAYS = 36500  # expiries and overlaps: far enough, and the year keeps four digits
 
 
 class ApiKeyError(CagflowError):
@@ -51,6 +63,7 @@ class ApiKey:
     name: str
     admin: bool
     created: str = ""
+    expires: str = ""  # UTC, like ``created``; empty: never
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,36 @@ class LocalCredentials:
 
 def _digest(plaintext: str) -> str:
     return hashlib.sha256(plaintext.encode("utf-8", "surrogatepass")).hexdigest()  # any str, never an error
+
+
+def _utc(epoch_s: float) -> str:
+    return time.strftime(_UTC_FORMAT, time.gmtime(epoch_s))
+
+
+def _epoch(utc: str) -> float:
+    return calendar.timegm(time.strptime(utc, _UTC_FORMAT))
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``90s``, ``15m``, ``24h`` or ``30d``: how ``--expires`` and ``--overlap`` are written."""
+    match = _DURATION.fullmatch(text.strip())
+    if not match:
+        raise ValueError(f"invalid duration {text!r}: write a number and a unit, e.g. 90s, 15m, 24h or 30d")
+    return float(match.group(1)) * _UNIT_S[match.group(2)]
+
+
+def _valid_record(record: Any) -> bool:
+    required = {"key_id": str, "name": str, "admin": bool, "sha256": str}
+    if not isinstance(record, dict) or not all(isinstance(record.get(field), kind) for field, kind in required.items()):
+        return False
+    expires = record.get("expires")
+    if expires is None:
+        return True
+    try:
+        _epoch(expires)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def write_private_file(path: Path, text: str) -> None:
@@ -80,10 +123,12 @@ def write_private_file(path: Path, text: str) -> None:
 
 
 class ApiKeyStore:
-    """The hashed keys in one JSON file; safe to share between threads."""
+    """The hashed keys in one JSON file; safe to share between threads and processes. ``clock`` (epoch
+    seconds) decides creation and expiry times, so tests need no sleeps."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], clock=time.time) -> None:
         self.path = Path(path).expanduser()
+        self._clock = clock
         self._lock = threading.Lock()
         self._signature: tuple[int, int, int] | None = None
         self._records: list[dict[str, Any]] = []
@@ -109,11 +154,7 @@ class ApiKeyStore:
         except ValueError as exc:
             raise ApiKeyError(f"API keys file {self.path} is not valid JSON ({exc}); expected {_FILE_FORMAT}") from None
         records = data.get("keys") if isinstance(data, dict) else None
-        required = {"key_id": str, "name": str, "admin": bool, "sha256": str}
-        if not isinstance(records, list) or not all(
-            isinstance(record, dict) and all(isinstance(record.get(field), kind) for field, kind in required.items())
-            for record in records
-        ):
+        if not isinstance(records, list) or not all(_valid_record(record) for record in records):
             raise ApiKeyError(f"API keys file {self.path} is malformed; expected {_FILE_FORMAT}")
         return records
 
@@ -129,14 +170,22 @@ class ApiKeyStore:
     def list(self) -> list[ApiKey]:
         return [_public(record) for record in self._current()]
 
-    def verify(self, plaintext: str) -> ApiKey | None:
-        """The key a request presents, or None; hashes are compared in constant time."""
+    def identify(self, plaintext: str) -> ApiKey | None:
+        """The key a request presents, expired or not, or None; hashes are compared in constant time."""
         presented = _digest(plaintext or "")
         match = None
         for record in self._current():  # every record is compared, so timing says nothing about which matched
             if hmac.compare_digest(presented, record["sha256"]):
                 match = record
         return _public(match) if match else None
+
+    def expired(self, key: ApiKey) -> bool:
+        return bool(key.expires) and _epoch(key.expires) <= self._clock()
+
+    def verify(self, plaintext: str) -> ApiKey | None:
+        """The key a request presents when it works now (known and not expired), else None."""
+        key = self.identify(plaintext)
+        return key if key is not None and not self.expired(key) else None
 
     # --- writing
 
@@ -155,33 +204,69 @@ class ApiKeyStore:
             raise ApiKeyError(f"cannot write API keys file {self.path}: {exc.strerror or exc} "
                               "(a mounted secret is read-only: manage its keys where it is defined)") from None
 
-    def create(self, name: str, admin: bool = False) -> tuple[ApiKey, str]:
+    def _issue(self, records: list[dict[str, Any]], name: str, admin: bool,
+               expires_in_s: float | None) -> tuple[dict[str, Any], str]:
+        """Append a new key to ``records``; returns its record and its plaintext."""
+        if expires_in_s is not None and not 0 < expires_in_s <= MAX_SPAN_DAYS * 86400:
+            raise ApiKeyError(f"a key's expiry must be in the future, at most {MAX_SPAN_DAYS} days away")
+        taken = {record["key_id"] for record in records}
+        key_id = secrets.token_hex(KEY_ID_BYTES)
+        while key_id in taken:
+            key_id = secrets.token_hex(KEY_ID_BYTES)
+        plaintext = f"{KEY_PREFIX}_{key_id}_{secrets.token_urlsafe(SECRET_BYTES)}"
+        now = self._clock()
+        record = {"key_id": key_id, "name": name, "admin": admin, "sha256": _digest(plaintext), "created": _utc(now)}
+        if expires_in_s is not None:
+            record["expires"] = _utc(now + expires_in_s)
+        records.append(record)
+        return record, plaintext
+
+    def _find(self, records: list[dict[str, Any]], key: str) -> dict[str, Any]:
+        """The record with id ``key``, else the only one named ``key``."""
+        found = [record for record in records if record["key_id"] == key] or [
+            record for record in records if record["name"] == key]
+        if not found:
+            raise ApiKeyError(f"no API key with id {key!r} in {self.path}, nor one named so (see `cagflow keys list`)")
+        if len(found) > 1:
+            raise ApiKeyError(f"{len(found)} keys are named {key!r} ({', '.join(r['key_id'] for r in found)}): "
+                              "name one by its id")
+        return found[0]
+
+    def create(self, name: str, admin: bool = False, expires_in_s: float | None = None) -> tuple[ApiKey, str]:
         """Issue a key; returns its record and the plaintext, which is never stored and shown only now."""
         name = name.strip()
         if not name:
             raise ApiKeyError("an API key needs a non-empty name")
         with self._exclusive() as records:
-            taken = {record["key_id"] for record in records}
-            key_id = secrets.token_hex(KEY_ID_BYTES)
-            while key_id in taken:
-                key_id = secrets.token_hex(KEY_ID_BYTES)
-            plaintext = f"{KEY_PREFIX}_{key_id}_{secrets.token_urlsafe(SECRET_BYTES)}"
-            record = {"key_id": key_id, "name": name, "admin": admin, "sha256": _digest(plaintext),
-                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            records.append(record)
+            record, plaintext = self._issue(records, name, admin, expires_in_s)
         return _public(record), plaintext
 
-    def revoke(self, key_id: str) -> ApiKey:
+    def rotate(self, key: str, overlap_s: float,
+               expires_in_s: float | None = None) -> tuple[ApiKey, ApiKey, str]:
+        """Replace the key with id (or only name) ``key`` by a new one with its name and role; the old key
+        keeps working for ``overlap_s`` more (never longer than it already would). Returns the old key as
+        it is now, the new key and the new plaintext."""
+        if not 0 <= overlap_s <= MAX_SPAN_DAYS * 86400:
+            raise ApiKeyError(f"the overlap must be between 0 and {MAX_SPAN_DAYS} days")
         with self._exclusive() as records:
-            for position, record in enumerate(records):
-                if record["key_id"] == key_id:
-                    del records[position]
-                    return _public(record)
-            raise ApiKeyError(f"no API key with id {key_id!r} in {self.path} (see `cagflow keys list`)")
+            old = self._find(records, key)
+            new, plaintext = self._issue(records, old["name"], old["admin"], expires_in_s)
+            deadline = self._clock() + overlap_s
+            if old.get("expires") is None or _epoch(old["expires"]) > deadline:
+                old["expires"] = _utc(deadline)
+        return _public(old), _public(new), plaintext
+
+    def revoke(self, key: str) -> ApiKey:
+        """Delete the key with id (or only name) ``key``: it stops working at once."""
+        with self._exclusive() as records:
+            record = self._find(records, key)
+            records.remove(record)
+        return _public(record)
 
 
 def _public(record: dict[str, Any]) -> ApiKey:
-    return ApiKey(record["key_id"], record["name"], record["admin"], record.get("created", ""))
+    return ApiKey(record["key_id"], record["name"], record["admin"], record.get("created", ""),
+                  record.get("expires") or "")
 
 
 # --- local credentials -----------------------------------------------------------------------------
