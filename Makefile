@@ -46,7 +46,9 @@ endef
 
 # The DAG's tasks run from this checkout, so the manifest path is made absolute for them. Triton starts
 # before the DAGs so that the precompute run's last task can make it load the new release; the router
-# starts after them so that it reads the fixed documents' chunks from the index at start-up.
+# starts after them so that it reads the fixed documents' chunks from the index at start-up. It serves
+# HTTPS with a self-signed certificate for this machine (created once in ~/.cache/cagflow/tls/), which
+# the demo and the other local clients verify.
 run: export CAGFLOW__CORPUS__MANIFEST = $(CURDIR)/corpus/manifest.yaml
 run: export CAGFLOW__SERVICE__PORT = $(API_PORT)
 run: export CAGFLOW__SERVICE__TRITON_URL = 127.0.0.1:$(TRITON_HTTP_PORT)
@@ -64,7 +66,7 @@ run:
 	$(call step,ingest the variable documents (DAG),$(BIN)/cagflow airflow trigger cag_variable_ingest)
 	$(call step,ingest and precompute the fixed documents (DAG),$(BIN)/cagflow airflow trigger cag_fixed_precompute)
 	$(call step,issue local API keys,$(BIN)/cagflow keys init-local)
-	$(call step,start the REST API,$(BIN)/cagflow router up)
+	$(call step,start the REST API (HTTPS),$(BIN)/cagflow router up --self-signed)
 	$(call step,ask the sample questions,$(BIN)/cagflow demo --questions $(DEMO_QUESTIONS))
 	@printf '\nmake run, step by step:\n'; cat $(RUN_STEPS); \
 	  awk '{total += $$(NF-1)} END {printf "%-50s %7.1f s\n", "total", total}' $(RUN_STEPS)

@@ -2,8 +2,9 @@
 
 Sources, later ones winning: built-in defaults, a YAML file (``--config`` or ``CAGFLOW_CONFIG``),
 then environment variables ``CAGFLOW__SECTION__KEY=value`` (e.g. ``CAGFLOW__CACHE__MAX_RESIDENT_STATES=4``).
-Secrets never live here: S3 credentials come from the standard AWS environment variables or
-credential files, and any other secret is read from ``<NAME>`` or the file named by ``<NAME>_FILE``.
+Secrets never live here: S3 credentials come from ``CAGFLOW_S3_{READER,WRITER}_{ACCESS_KEY_ID,SECRET_ACCESS_KEY}``
+(serving reads, the pipeline writes; ``store.backends.s3_credentials``), else the standard AWS environment variables
+or credential files, and any other secret is read from ``<NAME>`` or the file named by ``<NAME>_FILE``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ class ServiceConfig(_Section):
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
+    # HTTPS: a PEM certificate (chain) and its private key, both or neither. The key file is a secret (mode 0600).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None  # what clients of this config trust for the API; None: tls_cert_file itself
+    allow_plaintext: bool = False  # plain HTTP on a non-loopback host: only behind a proxy that terminates TLS
     max_concurrent_requests: int = Field(8, ge=1)  # beyond this, requests are refused (503), never queued
     triton_url: str = "127.0.0.1:8000"  # host:port of Triton's HTTP endpoint
     triton_grpc_url: str = "127.0.0.1:8001"  # host:port of Triton's gRPC endpoint: streamed answers
@@ -51,6 +57,8 @@ class ServiceConfig(_Section):
     # questions pay the passages' prefill for little. See README "REST API".
     update_margin: float = Field(0.012, ge=0.0, le=2.0)
     api_keys_file: str = str(CACHE_HOME / "api-keys.json")  # hashed keys only, never the keys themselves
+    # Admin actions (key changes, /admin/*), one JSON line each; null or "": the router's log only.
+    audit_log_file: str | None = str(CACHE_HOME / "audit.jsonl")
     rate_limit_per_s: float = Field(5.0, gt=0)  # per API key, token bucket refill
     rate_limit_burst: int = Field(20, ge=1)
     max_body_bytes: int = Field(16384, ge=256)

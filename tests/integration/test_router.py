@@ -100,6 +100,7 @@ def router_settings(opensearch_url, index, triton, store, keys_path) -> dict[str
             "CAGFLOW__SERVICE__TRITON_URL": triton.http_url, "CAGFLOW__SERVICE__TRITON_GRPC_URL": triton.grpc_url,
             "CAGFLOW__SERVICE__TRITON_METRICS_URL": triton.metrics_url,
             "CAGFLOW__SERVICE__API_KEYS_FILE": str(keys_path), "CAGFLOW__SERVICE__IN_SCOPE_THRESHOLD": "0.83",
+            "CAGFLOW__SERVICE__AUDIT_LOG_FILE": str(keys_path.with_name("audit.jsonl")),
             "CAGFLOW__SERVICE__ANSWERABLE_THRESHOLD": str(ANSWERABLE_THRESHOLD), "CAGFLOW__SERVICE__UPDATE_MARGIN": "0.05",
             "CAGFLOW__SERVICE__RATE_LIMIT_PER_S": "1000", "CAGFLOW__SERVICE__RATE_LIMIT_BURST": "1000",
             "CAGFLOW__SERVICE__TRITON_TIMEOUT_S": "60", "CAGFLOW__SERVICE__RETRIES": "0",

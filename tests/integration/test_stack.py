@@ -1,19 +1,24 @@
 """The local stack's command line: `cagflow router up|status|down` run the REST router as a real background
-process and stop it cleanly; `cagflow demo` picks a mix of sample questions and fails clearly without an API."""
+process and stop it cleanly; `cagflow keys` changes reach running routers at once; `cagflow demo` picks a mix of
+sample questions and fails clearly without an API."""
 
+import hashlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+import requests
 from cagflow.client.demo import percentile, pick_mixed_questions
 from cagflow.devstack.process import HOST, free_ports
 from cagflow.devstack.triton import TritonError, choose_ports
+from cagflow.router.apikeys import ApiKeyStore
 
 QA_PATH = Path(__file__).resolve().parents[2] / "corpus" / "qa.jsonl"
 
@@ -75,6 +80,59 @@ def test_invalid_configuration_is_reported_before_starting(router_env):
     assert result.returncode == 2
     assert "service.max_concurrent_requests" in result.stderr and "Traceback" not in result.stderr
     assert cagflow(env, "router", "status").returncode == 3
+
+
+@pytest.mark.integration
+def test_two_routers_on_one_keys_file_follow_a_rotation_and_audit_admin_actions(router_env, tmp_path):
+    """Two routers (gunicorn, each its own process) share the keys file and the audit log of CAGFLOW_HOME. A key
+    rotated, revoked or expired is seen by both at once; neither writes a key to its log or the audit log."""
+    env, port = router_env
+    urls = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{free_ports(1)[0]}"]
+    run_dirs = [tmp_path / "router", tmp_path / "router-2"]
+    user = cagflow(env, "keys", "create", "--name", "billing-app").stdout.strip()
+    admin = cagflow(env, "keys", "create", "--name", "ops", "--admin").stdout.strip()
+    an_hour_ago = time.time() - 3600
+    _, expired = ApiKeyStore(tmp_path / "api-keys.json", clock=lambda: an_hour_ago).create("contractor", expires_in_s=60)
+    try:
+        for url, run_dir in zip(urls, run_dirs):
+            started = cagflow(env, "router", "--run-dir", str(run_dir), "up", "--port", url.rsplit(":", 1)[1])
+            assert started.returncode == 0, started.stdout + started.stderr
+
+        def codes(path, key, method="get"):
+            replies = [getattr(requests, method)(f"{url}{path}", headers={"Authorization": f"Bearer {key}"},
+                                                 timeout=30) for url in urls]
+            return [reply.json()["error"]["code"] if reply.status_code >= 400 else reply.status_code
+                    for reply in replies]
+
+        rotated = cagflow(env, "keys", "rotate", "billing-app", "--overlap", "1h")
+        assert rotated.returncode == 0, rotated.stderr
+        new = rotated.stdout.strip()
+        assert codes("/v1/releases", user) == codes("/v1/releases", new) == [200, 200]
+        assert codes("/v1/releases", expired) == ["key_expired"] * 2
+        assert codes("/v1/releases", user + "x") == ["invalid_api_key"] * 2
+        old_id = user.split("_")[1]
+        assert cagflow(env, "keys", "revoke", old_id).returncode == 0
+        assert codes("/v1/releases", user) == ["invalid_api_key"] * 2 and codes("/v1/releases", new) == [200, 200]
+        assert codes("/admin/reload", new, "post") == ["forbidden"] * 2
+        assert codes("/admin/reload", expired, "post") == ["key_expired"] * 2
+        assert codes("/admin/reload", admin, "post") == ["triton_unavailable"] * 2  # nothing listens there
+    finally:
+        for run_dir in run_dirs:
+            cagflow(env, "router", "--run-dir", str(run_dir), "down")
+    audit = (tmp_path / "audit.jsonl").read_text()
+    events = [json.loads(line) for line in audit.splitlines()]
+    assert [(event["action"], event["result"]) for event in events if event["via"] == "cli"] == [
+        ("keys.create", "ok"), ("keys.create", "ok"), ("keys.rotate", "ok"), ("keys.revoke", "ok")]
+    admin_events = sorted((event["result"], event["reason"], event["key_name"]) for event in events
+                          if event["via"] == "rest")
+    assert admin_events == sorted([("denied", "forbidden", "billing-app"), ("denied", "key_expired", "contractor"),
+                                   ("error", "triton_unavailable", "ops")] * 2)
+    assert {event["remote_addr"] for event in events if event["via"] == "rest"} == {"127.0.0.1"}
+    logs = [(run_dir / "router.log").read_text() for run_dir in run_dirs]
+    assert all('"action": "admin.reload"' in log and '"endpoint": "/v1/releases"' in log for log in logs)
+    keys = (user, admin, expired, new)
+    secrets = [key.split("_", 2)[2] for key in keys] + [hashlib.sha256(key.encode()).hexdigest() for key in keys]
+    assert not [secret for secret in secrets for text in [audit, *logs] if secret in text]
 
 
 def test_demo_mixes_fixed_variable_and_unanswerable_questions_in_each_language():

@@ -90,7 +90,7 @@ def test_the_example_config_lists_every_key_with_its_default():
     example_path = Path(__file__).resolve().parents[2] / "config" / "cagflow.example.yaml"
     example = yaml.safe_load(example_path.read_text())
     defaults = Config().model_dump()
-    deployment_paths = {("service", "api_keys_file"), ("cache", "state_store")}
+    deployment_paths = {("service", "api_keys_file"), ("service", "audit_log_file"), ("cache", "state_store")}
 
     def walk(expected: dict, given: dict, where: tuple[str, ...]) -> list[str]:
         problems = [f"{'.'.join(where + (key,))}: missing" for key in expected if key not in given]

@@ -2,8 +2,9 @@
 
 Every failure comes back as one exception, ``ApiError``: the API's own error body
 (``{"error": {"code", "message"}, "request_id"}``) when it sent one, status 0 and code ``unreachable``
-when no HTTP answer came at all. Streamed answers are Server-Sent Events, parsed here as the HTML
-specification defines them (multi-line data, comments, event names, ids).
+when no HTTP answer came at all, ``tls_failed`` when the server's certificate does not verify (it is
+always checked: against ``ca_file``, else the system's CAs). Streamed answers are Server-Sent Events,
+parsed here as the HTML specification defines them (multi-line data, comments, event names, ids).
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 def default_base_url(service: ServiceConfig) -> str:
     """Where a client on this machine reaches the configured API (a wildcard bind is reached on 127.0.0.1)."""
     host = "127.0.0.1" if service.host in WILDCARD_HOSTS else service.host
-    return f"http://{f'[{host}]' if ':' in host else host}:{service.port}"
+    scheme = "https" if service.tls_cert_file else "http"
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{service.port}"
+
+
+def default_ca_file(service: ServiceConfig) -> str | None:
+    """What a client of the configured API trusts: ``service.tls_ca_file``, else the server's certificate
+    itself (right for a self-signed one); None: the system's CAs."""
+    return service.tls_ca_file or service.tls_cert_file or None
 
 
 def client_timeout_s(service: ServiceConfig) -> float:
@@ -101,11 +109,15 @@ def _error_from(response: requests.Response) -> ApiError:
 
 
 class ApiClient:
-    """One keep-alive session to the API; share an instance across calls (not across processes)."""
+    """One keep-alive session to the API; share an instance across calls (not across processes). An
+    ``https://`` URL is verified against ``ca_file`` (a CA bundle or a self-signed certificate), else
+    against the system's CAs."""
 
-    def __init__(self, base_url: str, api_key: str | None, timeout_s: float = 120) -> None:
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float = 120,
+                 ca_file: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.ca_file = ca_file
         self._session = requests.Session()
         self._session.headers["User-Agent"] = USER_AGENT
         if api_key:
@@ -122,10 +134,13 @@ class ApiClient:
 
     def _request(self, method: str, path: str, **arguments: Any) -> requests.Response:
         url = f"{self.base_url}{path}"
-        try:
-            return self._session.request(method, url, timeout=self.timeout_s, **arguments)
+        try:  # verify per request: a session-wide setting would lose to $REQUESTS_CA_BUNDLE
+            return self._session.request(method, url, timeout=self.timeout_s, verify=self.ca_file or True,
+                                         **arguments)
         except requests.Timeout:
             raise ApiError(0, "timeout", f"no answer from {url} within {self.timeout_s:g} s") from None
+        except requests.exceptions.SSLError as exc:
+            raise ApiError(0, "tls_failed", f"TLS with {url} failed: {_root_cause(exc)}") from None
         except requests.RequestException as exc:
             raise ApiError(0, "unreachable", f"cannot reach {url}: {_root_cause(exc)}") from None
 

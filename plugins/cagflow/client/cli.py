@@ -10,10 +10,11 @@ from pathlib import Path
 from ..config import Config, load_config
 
 
-def _store(config: Config, url: str | None):
+def _store(config: Config, url: str | None, role: str):
+    """``role``: ``writer`` for commands that change the store (precompute, activate), else ``reader``."""
     from ..store.backends import open_store
 
-    return open_store(url or config.cache.state_store, config.cache.s3)
+    return open_store(url or config.cache.state_store, config.cache.s3, role=role)
 
 
 def _engine(config: Config):
@@ -25,7 +26,7 @@ def _engine(config: Config):
 def cmd_precompute(args: argparse.Namespace, config: Config) -> int:
     from .console import precompute_with_progress
 
-    store = _store(config, args.store)
+    store = _store(config, args.store, "writer")
     store.ping(create=True)
     precompute_with_progress(_engine(config), store, args.manifest or config.corpus.manifest, args.doc_id,
                              args.force, args.quiet)
@@ -50,7 +51,7 @@ def cmd_ask_local(args: argparse.Namespace, config: Config) -> int:
     from ..inference.resident import snapshot_for_question
     from ..store.manifests import load_release
 
-    store = _store(config, args.store)
+    store = _store(config, args.store, "reader")
     release = load_release(store)
     doc_id = args.doc_id or _pick_document(config, args.question)
     if doc_id not in release.doc_ids:
@@ -85,6 +86,9 @@ def _explain_api_error(error) -> str:
 
     if error.code in ("unreachable", "timeout"):
         return f"{error.message}; start the API with `make run` or `cagflow serve` (or point --url at it)"
+    if error.code == "tls_failed":
+        return (f"{error.message}; the client trusts service.tls_ca_file (default: service.tls_cert_file), "
+                "else the system's CAs")
     if error.status == 401:
         return (f"{error}; the key comes from $CAGFLOW_API_KEY (or $CAGFLOW_API_KEY_FILE), else from "
                 f"{apikeys.CREDENTIALS_FILE} (`cagflow keys init-local` writes it)")
@@ -125,8 +129,9 @@ def _print_stream(events, as_json: bool) -> dict:
 
 def cmd_ask(args: argparse.Namespace, config: Config) -> int:
     """Ask the running API (``--local``: answer in this process instead)."""
+    from ..devstack.router import local_api
     from ..router.apikeys import read_local_credentials
-    from .api_client import ApiClient, ApiError, client_timeout_s, default_base_url
+    from .api_client import ApiClient, ApiError, client_timeout_s, default_ca_file
 
     if args.local:
         if args.url or args.top_k or args.stream:
@@ -134,12 +139,12 @@ def cmd_ask(args: argparse.Namespace, config: Config) -> int:
         return cmd_ask_local(args, config)
     if args.no_cache or args.store:
         raise ValueError("--no-cache and --store only apply with --local")
-    url = args.url or default_base_url(config.service)
+    url, ca_file = (args.url, default_ca_file(config.service)) if args.url else local_api(config)
     credentials = read_local_credentials()
     options = {"doc_id": args.doc_id, "top_k": args.top_k, "max_new_tokens": args.max_new_tokens}
     try:
         with ApiClient(url, credentials.api_key if credentials else None,
-                       timeout_s=client_timeout_s(config.service)) as client:
+                       timeout_s=client_timeout_s(config.service), ca_file=ca_file) as client:
             if not args.stream:
                 record = client.query(args.question, **options)
                 print(json.dumps(record, indent=2, ensure_ascii=False) if args.json else record.get("answer", ""))
@@ -159,32 +164,72 @@ def cmd_serve(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def _duration(text: str) -> float:
+    from ..router.apikeys import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _change_keys(args: argparse.Namespace, config: Config, store) -> tuple[str | None, dict]:
+    """Create, rotate, revoke or issue local keys; prints the outcome and returns the audit target and detail."""
+    from ..router.apikeys import CREDENTIALS_FILE, ensure_local_keys
+
+    if args.action == "create":
+        record, plaintext = store.create(args.name, admin=args.admin, expires_in_s=args.expires)
+        print(plaintext)
+        print(f"created {'admin ' if record.admin else ''}key {record.key_id} ({record.name}) in {store.path}"
+              f"{f', expires {record.expires}' if record.expires else ''}; the key is shown only now", file=sys.stderr)
+        return record.key_id, {"name": record.name, "admin": record.admin, "expires": record.expires or None}
+    if args.action == "rotate":
+        old, new, plaintext = store.rotate(args.key, args.overlap, expires_in_s=args.expires)
+        print(plaintext)
+        print(f"rotated key {old.key_id} ({old.name}): the new key {new.key_id} works now "
+              f"({f'expires {new.expires}' if new.expires else 'no expiry'}; shown only now), {old.key_id} until "
+              f"{old.expires}. Move its clients to the new key, then `cagflow keys revoke {old.key_id}`",
+              file=sys.stderr)
+        return old.key_id, {"name": old.name, "new_key_id": new.key_id, "old_expires": old.expires,
+                            "expires": new.expires or None}
+    if args.action == "revoke":
+        record = store.revoke(args.key)
+        print(f"revoked key {record.key_id} ({record.name})")
+        return record.key_id, {"name": record.name}
+    credentials = ensure_local_keys(config)
+    if credentials is None:
+        print(f"local API keys already exist: {CREDENTIALS_FILE} (hashes in {store.path})")
+        return None, {"issued": False}
+    print(f"user key:  {credentials.api_key}\nadmin key: {credentials.admin_key}\n"
+          f"saved for `cagflow ask` in {CREDENTIALS_FILE} (mode 0600); hashes in {store.path}")
+    issued = [store.identify(plaintext) for plaintext in (credentials.api_key, credentials.admin_key)]
+    return ", ".join(key.key_id for key in issued), {"issued": True}
+
+
 def cmd_keys(args: argparse.Namespace, config: Config) -> int:
-    from ..router.apikeys import CREDENTIALS_FILE, ApiKeyStore, ensure_local_keys
+    """Key changes write an audit event (``service.audit_log_file``), failed ones too; listing does not."""
+    from ..errors import CagflowError
+    from ..router.apikeys import ApiKeyStore
+    from ..router.audit import AuditLog, local_user
 
     store = ApiKeyStore(config.service.api_keys_file)
-    if args.action == "create":
-        record, plaintext = store.create(args.name, admin=args.admin)
-        print(plaintext)
-        print(f"created {'admin ' if record.admin else ''}key {record.key_id} ({record.name}) in {store.path}; "
-              "the key is shown only now", file=sys.stderr)
-    elif args.action == "list":
+    if args.action == "list":
         keys = store.list()
         if not keys:
             print(f"no API keys in {store.path}; create one with `cagflow keys create --name NAME` "
                   "or `cagflow keys init-local`", file=sys.stderr)
         for key in keys:
-            print(f"{key.key_id}  {'admin' if key.admin else 'user ':<5}  {key.created:<20}  {key.name}")
-    elif args.action == "revoke":
-        record = store.revoke(args.key_id)
-        print(f"revoked key {record.key_id} ({record.name})")
-    else:
-        credentials = ensure_local_keys(config)
-        if credentials is None:
-            print(f"local API keys already exist: {CREDENTIALS_FILE} (hashes in {store.path})")
-        else:
-            print(f"user key:  {credentials.api_key}\nadmin key: {credentials.admin_key}\n"
-                  f"saved for `cagflow ask` in {CREDENTIALS_FILE} (mode 0600); hashes in {store.path}")
+            expiry = f"{'expired' if store.expired(key) else 'expires'} {key.expires}" if key.expires else "no expiry"
+            print(f"{key.key_id}  {'admin' if key.admin else 'user ':<5}  {key.created:<20}  {expiry:<28}  {key.name}")
+        return 0
+    audit = AuditLog(config.service.audit_log_file)
+    who = {"via": "cli", "user": local_user()}
+    try:
+        target, detail = _change_keys(args, config, store)
+    except (CagflowError, ValueError, OSError) as exc:
+        audit.record(f"keys.{args.action}", "error", target=getattr(args, "key", None), reason=str(exc), **who)
+        raise
+    audit.record(f"keys.{args.action}", "ok", target=target, detail=detail, **who)
     return 0
 
 
@@ -192,7 +237,7 @@ def cmd_releases(args: argparse.Namespace, config: Config) -> int:
     from ..store.backends import NotFound
     from ..store.manifests import activate_release, list_releases, load_release
 
-    store = _store(config, args.store)
+    store = _store(config, args.store, "writer" if args.activate else "reader")
     if args.activate:
         release = activate_release(store, args.activate)
         print(f"active release is now {release.release_id} ({len(release.snapshots)} snapshots)")
@@ -210,7 +255,7 @@ def cmd_capacity(args: argparse.Namespace, config: Config) -> int:
     from .capacity import estimate, render
 
     manifest = None if args.manifest is None else args.manifest or config.corpus.manifest
-    report = estimate(config, _store(config, args.store), manifest=manifest, copies=args.copies,
+    report = estimate(config, _store(config, args.store, "reader"), manifest=manifest, copies=args.copies,
                       target_qps=args.target_qps, seconds_per_request=args.seconds_per_request,
                       bench=args.from_bench).to_dict()
     print(json.dumps(report, indent=2) if args.json else render(report))
@@ -346,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ask = commands.add_parser("ask", help="ask the running REST API a question (--local: answer in this process)")
     ask.add_argument("question")
-    ask.add_argument("--url", help="the API (default: http://service.host:service.port)")
+    ask.add_argument("--url", help="the API (default: the router `cagflow router up` runs, else "
+                                   "http(s)://service.host:service.port)")
     ask.add_argument("--doc-id", help="answer from this fixed document (default: the API routes the question)")
     ask.add_argument("--top-k", type=int, help="passages when the answer comes from retrieval")
     ask.add_argument("--max-new-tokens", type=int)
@@ -364,14 +410,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="default: service.port")
     serve.set_defaults(run=cmd_serve)
 
-    keys = commands.add_parser("keys", help="API keys: create, list, revoke, or issue local ones")
+    keys = commands.add_parser("keys", help="API keys: create, list, rotate, revoke, or issue local ones")
     key_actions = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
     create = key_actions.add_parser("create", help="issue a key and print it (once)")
     create.add_argument("--name", required=True, help="who or what uses the key")
     create.add_argument("--admin", action="store_true", help="may also call /admin endpoints")
-    key_actions.add_parser("list", help="key ids, names, roles and creation times (never the keys)")
+    key_actions.add_parser("list", help="key ids, roles, creation and expiry times, names (never the keys)")
+    rotate = key_actions.add_parser("rotate", help="issue a replacement (same name and role) and print it (once); "
+                                                   "the old key keeps working for --overlap")
+    rotate.add_argument("key", metavar="KEY", help="the key's id, or a name only one key has")
+    rotate.add_argument("--overlap", type=_duration, default="24h", metavar="DURATION",
+                        help="how long the old key keeps working (default 24h; 0s: it stops now)")
     revoke = key_actions.add_parser("revoke", help="delete a key; requests with it fail at once")
-    revoke.add_argument("key_id")
+    revoke.add_argument("key", metavar="KEY", help="the key's id, or a name only one key has")
+    for issuing in (create, rotate):
+        issuing.add_argument("--expires", type=_duration, metavar="DURATION",
+                             help="the new key stops working after this long (90s, 15m, 24h, 30d; default: never)")
     key_actions.add_parser("init-local", help="issue a local user and admin key for `cagflow ask`, unless they exist")
     keys.set_defaults(run=cmd_keys)
 

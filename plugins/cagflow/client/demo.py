@@ -114,12 +114,14 @@ def _print_summary(items: list[QAItem], replies: list[dict], errors: int) -> Non
           f"fixed-document questions routed to the cache {routed}/{len(in_scope)}")
 
 
-def _print_urls(api_url: str) -> None:
+def _print_urls(api_url: str, ca_file: str | None) -> None:
     from ..devstack.airflow import AirflowServiceError, LocalAirflow, default_home
     from ..router.apikeys import CREDENTIALS_FILE
 
     print(f"\nAPI       {api_url}  (POST /v1/query with 'Authorization: Bearer <key>'; local keys in "
           f"{CREDENTIALS_FILE})")
+    if ca_file:
+        print(f"TLS       verified against {ca_file}  (curl --cacert {ca_file} ...)")
     print(f"metrics   {api_url}/metrics")
     airflow = LocalAirflow(default_home())
     state = airflow.running_state()
@@ -132,23 +134,14 @@ def _print_urls(api_url: str) -> None:
         print(f"Airflow   {state['url']}  ({login})")
 
 
-def _api_url(config: Config) -> str:
-    """The router started by ``cagflow router up`` if it runs, else the configured address."""
-    from ..devstack.process import running_record
-    from ..devstack.router import DEFAULT_RUN_DIR, STATE_FILE
-    from .api_client import default_base_url
-
-    state = running_record(DEFAULT_RUN_DIR / STATE_FILE)
-    return state["url"] if state else default_base_url(config.service)
-
-
 def open_local_client(config: Config, command: str):
     """A client of the local API with the local user key, checked to answer; None (and the reason printed
     for ``cagflow <command>``) when it cannot be used."""
+    from ..devstack.router import local_api
     from ..router.apikeys import ApiKeyError, read_local_credentials
     from .api_client import ApiClient, ApiError, client_timeout_s
 
-    url = _api_url(config)
+    url, ca_file = local_api(config)
     try:
         credentials = read_local_credentials()
     except ApiKeyError as exc:
@@ -158,7 +151,7 @@ def open_local_client(config: Config, command: str):
         print(f"cagflow {command}: error: no local API key; create one with `cagflow keys init-local` "
               "(or set CAGFLOW_API_KEY)", file=sys.stderr)
         return None
-    client = ApiClient(url, credentials.api_key, timeout_s=client_timeout_s(config.service))
+    client = ApiClient(url, credentials.api_key, timeout_s=client_timeout_s(config.service), ca_file=ca_file)
     try:
         client.health()
     except ApiError as exc:
@@ -193,7 +186,7 @@ def run_demo(config: Config, questions: int, max_new_tokens: int, local: bool = 
         replies.append(reply)
         _print_answer(number, len(items), item, reply)
     _print_summary(asked, replies, errors)
-    _print_urls(api_url)
+    _print_urls(api_url, client.ca_file)
     return 0 if replies and not errors else 1
 
 
@@ -212,7 +205,7 @@ def run_local_demo(config: Config, questions: int, max_new_tokens: int) -> int:
     from .console import precompute_with_progress
 
     manifest = Path(config.corpus.manifest)
-    store = open_store(config.cache.state_store, config.cache.s3)
+    store = open_store(config.cache.state_store, config.cache.s3, role="writer")  # it precomputes
     print(f"loading model {config.model.path} ...", file=sys.stderr)
     engine = Engine.from_config(config.model)
     release, _ = precompute_with_progress(engine, store, str(manifest))

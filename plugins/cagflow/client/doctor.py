@@ -8,6 +8,7 @@ and the fix. Nothing here loads the model or writes anything.
 from __future__ import annotations
 
 import re
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -35,12 +36,14 @@ class Verdict:
         return asdict(self)
 
 
-def _metrics(url: str | None) -> str | None:
-    """Prometheus text from ``url``; None when nothing answers there."""
+def _metrics(url: str | None, ca_file: str | None = None) -> str | None:
+    """Prometheus text from ``url`` (an ``https://`` one verified against ``ca_file``, else the system's CAs);
+    None when nothing answers there."""
     if not url:
         return None
+    context = ssl.create_default_context(cafile=ca_file) if url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(url, timeout=METRICS_TIMEOUT_S) as response:
+        with urllib.request.urlopen(url, timeout=METRICS_TIMEOUT_S, context=context) as response:
             return response.read().decode("utf-8", "replace")
     except (OSError, urllib.error.URLError):
         return None
@@ -56,7 +59,7 @@ def _active_release(config: Config):
     from ..store.backends import NotFound, open_store
     from ..store.manifests import load_release
 
-    store = open_store(config.cache.state_store, config.cache.s3)
+    store = open_store(config.cache.state_store, config.cache.s3, role="reader")  # what serving sees
     try:
         return store, load_release(store)
     except NotFound:
@@ -145,6 +148,7 @@ def hit_rate_far_below_expectation(config: Config) -> Verdict:
     """The release was built for the configured model, its keys are the ones asked for, and the router's hit
     rate (when it has served enough) is not low."""
     from ..core.model import ModelError, identify_model
+    from ..devstack.router import local_api
     from ..store.layout import HEAT_PREFIX
 
     symptom = "hit rate far below expectation"
@@ -166,7 +170,8 @@ def hit_rate_far_below_expectation(config: Config) -> Verdict:
         asked |= set(_heat_keys(store, info.name))
     # Keys of this model that the release lacks: requests for document versions it no longer serves.
     strangers = sorted(key for key in asked - keys if key.split("/")[2:3] == [fingerprint[:16]])
-    text = _metrics(f"http://{config.service.host}:{config.service.port}/metrics")
+    api, ca_file = local_api(config)
+    text = _metrics(f"{api}/metrics", ca_file)
     attempts = _sample(text, "cagflow_router_cache_attempts_total") if text else None
     hits = _sample(text, "cagflow_router_cache_hits_total") if text else None
     rate = hits / attempts if attempts and hits is not None else None

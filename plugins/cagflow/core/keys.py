@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from ..errors import CagflowError
 
-DOC_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
-VERSION_PATTERN = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$")
+DOC_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}\Z")
+VERSION_PATTERN = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}\Z")
 FORMAT_VERSION = "1"
 _KEY = re.compile(r"^(?P<doc>[^/#]+)/(?P<ver>[^/#]+)/(?P<fp>[0-9a-f]{16})(?:#(?P<part>[1-9][0-9]*))?$")
 

@@ -4,7 +4,8 @@
 Every response carries ``X-Request-ID`` (the caller's, when it is a safe token, else a fresh one) and
 every error is ``{"error": {"code", "message"}, "request_id"}``: never HTML, never a stack trace. Each
 request writes one JSON log line (request id, key id, route, cache hit, snapshot key, fallback reason,
-timings, status); the key itself is never logged.
+timings, status); the key itself is never logged. Every ``/admin/*`` request, done or refused, also writes
+an audit event (``audit``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..config import Config, load_config
 from . import metrics
 from .access import ApiError, ConcurrencyGate, RateLimiter, parse_query, parse_reload, request_id_from
 from .apikeys import ApiKey, ApiKeyError, ApiKeyStore
+from .audit import AuditLog
 from .routing import Router, triton_failure
 from .triton_client import TritonRejected, TritonUnavailable
 
@@ -41,8 +43,10 @@ def error_body(code: str, message: str, request_id: str | None) -> dict[str, Any
 
 
 def _json(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(body, ensure_ascii=False), status=status, headers=headers,
-                    mimetype="application/json")
+    """UTF-8 JSON; a lone surrogate (a request's own text echoed in an error, such as an unknown field's
+    name) is written as its JSON escape, since UTF-8 cannot encode it."""
+    data = json.dumps(body, ensure_ascii=False).encode("utf-8", "backslashreplace")
+    return Response(data, status=status, headers=headers, mimetype="application/json")
 
 
 def _to_stderr(logger: logging.Logger, line_format: str) -> None:
@@ -85,9 +89,11 @@ def create_app(config: Config | None = None, *, router: Router | None = None,
     keys = keys or ApiKeyStore(service.api_keys_file)
     limiter = RateLimiter(service.rate_limit_per_s, service.rate_limit_burst)
     gate = ConcurrencyGate(service.max_concurrent_requests)
+    audit = AuditLog(service.audit_log_file)
 
     app = Flask("cagflow.router")
     app.config["MAX_CONTENT_LENGTH"] = service.max_body_bytes
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False  # Flask's own OPTIONS reply is an empty text/html 200: a JSON 405
     app.extensions["cagflow_router"] = router
 
     def authenticate(admin: bool = False) -> ApiKey:
@@ -97,14 +103,17 @@ def create_app(config: Config | None = None, *, router: Router | None = None,
             raise ApiError(401, "unauthenticated", "send an API key as 'Authorization: Bearer <key>'",
                            {"WWW-Authenticate": 'Bearer realm="cagflow"'})
         try:
-            key = keys.verify(token.strip())
+            key = keys.identify(token.strip())
         except ApiKeyError as exc:  # a corrupt or unreadable keys file: nobody can be let in, say why
             log.error("API keys unavailable: %s", exc)
             raise ApiError(503, "auth_unavailable", "API keys cannot be checked right now") from None
         if key is None:
             raise ApiError(401, "invalid_api_key", "the API key is not valid",
                            {"WWW-Authenticate": 'Bearer realm="cagflow", error="invalid_token"'})
-        g.key_id = key.key_id
+        g.key_id, g.key_name = key.key_id, key.name
+        if keys.expired(key):
+            raise ApiError(401, "key_expired", f"the API key expired at {key.expires}; use the key that replaced it",
+                           {"WWW-Authenticate": 'Bearer realm="cagflow", error="invalid_token"'})
         if admin and not key.admin:
             raise ApiError(403, "forbidden", "this endpoint needs an admin key")
         wait_s = limiter.acquire(key.key_id)
@@ -126,6 +135,15 @@ def create_app(config: Config | None = None, *, router: Router | None = None,
 
     def endpoint_label() -> str:
         return request.url_rule.rule if request.url_rule is not None else "unmatched"
+
+    def audit_admin(status: int) -> None:
+        """One audit event per /admin/* request: refusals (no key, a bad or expired key, a user key) too."""
+        result = "ok" if status < 400 else "denied" if status in (401, 403) else "error"
+        matched = request.url_rule is not None
+        action = f"admin.{request.endpoint}" if matched else f"{request.method} {request.path[:200]}"
+        audit.record(action, result, via="rest", target=g.get("audit_target"), reason=g.error_code,
+                     key_id=g.get("key_id"), key_name=g.get("key_name"), remote_addr=request.remote_addr,
+                     request_id=g.request_id, detail=g.get("audit_detail"))
 
     def finish(status: int, outcome: dict[str, Any], error_code: str | None = None) -> None:
         """Count the request and write its access-log line."""
@@ -156,6 +174,8 @@ def create_app(config: Config | None = None, *, router: Router | None = None,
     @app.after_request
     def end_request(response: Response) -> Response:
         response.headers["X-Request-ID"] = g.request_id
+        if request.path.startswith("/admin/"):
+            audit_admin(response.status_code)
         if not g.streaming:
             finish(response.status_code, g.outcome, g.error_code)
         return response
@@ -209,12 +229,13 @@ def create_app(config: Config | None = None, *, router: Router | None = None,
     def reload() -> Response:
         authenticate(admin=True)
         release_id = parse_reload(_read_json(optional=True))
+        g.audit_target = release_id or "current"
         enter_gate()
         try:
             result = router.reload(release_id)
         finally:
             leave_gate()
-        log.info("reload by key %s: release %s", g.key_id, result["release_id"])
+        g.audit_detail = {"release_id": result["release_id"]}
         return _json({**result, "request_id": g.request_id})
 
     @app.post("/v1/query")

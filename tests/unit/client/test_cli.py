@@ -111,8 +111,9 @@ def test_precompute_ask_and_rollback(capsys, tmp_path, monkeypatch, tiny_model_d
 
 @pytest.fixture
 def key_files(tmp_path, monkeypatch):
-    """The keys file and the client credentials file, both in tmp_path."""
+    """The keys file, the audit log and the client credentials file, all in tmp_path."""
     monkeypatch.setenv("CAGFLOW__SERVICE__API_KEYS_FILE", str(tmp_path / "api-keys.json"))
+    monkeypatch.setenv("CAGFLOW__SERVICE__AUDIT_LOG_FILE", str(tmp_path / "audit.jsonl"))
     monkeypatch.setattr(apikeys, "CREDENTIALS_FILE", tmp_path / "credentials.json")
     for name in ("CAGFLOW_API_KEY", "CAGFLOW_API_KEY_FILE", "CAGFLOW_ADMIN_KEY", "CAGFLOW_ADMIN_KEY_FILE"):
         monkeypatch.delenv(name, raising=False)
@@ -134,6 +135,38 @@ def test_keys_create_list_revoke(capsys, key_files):
     assert code == 0 and f"revoked key {record.key_id}" in out and store.verify(plaintext) is None
     code, _, err = run(capsys, "keys", "revoke", record.key_id)
     assert code == 2 and "no API key with id" in err
+
+
+def test_keys_rotate_overlaps_and_every_change_is_audited(capsys, key_files, tmp_path):
+    store, _ = key_files
+    code, out, _ = run(capsys, "keys", "create", "--name", "billing-app", "--expires", "30d")
+    first = out.strip()
+    code, out, err = run(capsys, "keys", "rotate", "billing-app", "--overlap", "2h")
+    second = out.strip()
+    old, new = store.verify(first), store.verify(second)
+    assert code == 0 and old and new and (old.name, new.name) == ("billing-app", "billing-app")
+    assert f"{old.key_id} until {old.expires}" in err and f"then `cagflow keys revoke {old.key_id}`" in err
+    code, out, _ = run(capsys, "keys", "list")
+    assert f"expires {old.expires}" in out and "no expiry" in out and second not in out
+    code, _, err = run(capsys, "keys", "rotate", "billing-app")
+    assert code == 2 and "2 keys are named 'billing-app'" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as refused:
+        main(["keys", "rotate", old.key_id, "--overlap", "soon"])
+    assert refused.value.code == 2 and "invalid duration 'soon'" in capsys.readouterr().err
+    run(capsys, "keys", "revoke", old.key_id)
+    code, out, _ = run(capsys, "keys", "init-local")
+    local_keys = [out.split(label)[1].split()[0] for label in ("user key:", "admin key:")]
+    audit = (tmp_path / "audit.jsonl").read_text()
+    events = [json.loads(line) for line in audit.splitlines()]
+    assert [(event["action"], event["result"], event["target"]) for event in events] == [
+        ("keys.create", "ok", old.key_id), ("keys.rotate", "ok", old.key_id), ("keys.rotate", "error", "billing-app"),
+        ("keys.revoke", "ok", old.key_id),
+        ("keys.init-local", "ok", ", ".join(store.verify(key).key_id for key in local_keys))]
+    assert events[1]["detail"] == {"name": "billing-app", "new_key_id": new.key_id, "old_expires": old.expires,
+                                   "expires": None}
+    assert "2 keys are named" in events[2]["reason"]
+    assert all(event["via"] == "cli" and event["user"] and event["remote_addr"] is None for event in events)
+    assert not [key for key in [first, second, *local_keys] if key.split("_", 2)[2] in audit]
 
 
 def test_keys_init_local_prints_keys_once(capsys, key_files):

@@ -5,8 +5,10 @@ servers in tests/integration/test_router.py."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import re
 import threading
 
 import pytest
@@ -66,7 +68,9 @@ def keys(tmp_path):
 
 def make_app(keys, router=None, **service):
     config = Config.model_validate({"service": {"rate_limit_per_s": 1000, "rate_limit_burst": 1000,
-                                                "max_body_bytes": 4096, "max_question_chars": 500, **service}})
+                                                "max_body_bytes": 4096, "max_question_chars": 500,
+                                                "audit_log_file": str(keys[0].path.with_name("audit.jsonl")),
+                                                **service}})
     router = router or StandInRouter()
     return create_app(config, router=router, keys=keys[0]), router
 
@@ -294,3 +298,99 @@ def test_a_corrupt_keys_file_refuses_everyone_with_a_clear_503(keys, tmp_path):
     response = app.test_client().post("/v1/query", json={"question": "Which port?"}, headers=keys[1])
     assert response.status_code == 503 and response.is_json
     assert response.get_json()["error"]["code"] == "auth_unavailable" and router.questions == []
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def audit_events(store: ApiKeyStore) -> list[dict]:
+    return [json.loads(line) for line in store.path.with_name("audit.jsonl").read_text().splitlines()]
+
+
+def test_a_rotated_key_works_through_its_overlap_then_is_refused_as_expired(tmp_path):
+    now = [1_800_000_000.0]
+    store = ApiKeyStore(tmp_path / "api-keys.json", clock=lambda: now[0])
+    old, old_key = store.create("billing-app")
+    test_client = make_app((store,))[0].test_client()
+    _, _, new_key = store.rotate(old.key_id, overlap_s=3600)
+
+    def ask(key):
+        return test_client.post("/v1/query", json={"question": "q"}, headers=bearer(key))
+
+    assert ask(old_key).status_code == ask(new_key).status_code == 200
+    now[0] += 3600
+    expired = ask(old_key)
+    body = assert_json_error(expired, 401, "key_expired")
+    assert "expired at 2027-01-15T09:00:00Z" in body["error"]["message"]
+    assert expired.headers["WWW-Authenticate"].startswith("Bearer")
+    assert ask(new_key).status_code == 200
+    assert_json_error(ask("cgf_000000000000_unknown"), 401, "invalid_api_key")
+    store.revoke(old.key_id)
+    assert_json_error(ask(old_key), 401, "invalid_api_key")
+
+
+def test_every_admin_request_is_audited_refusals_too(tmp_path):
+    now = [1_800_000_000.0]
+    store = ApiKeyStore(tmp_path / "api-keys.json", clock=lambda: now[0])
+    _, user = store.create("app")
+    ops, admin = store.create("ops", admin=True)
+    _, expired = store.create("old-ops", admin=True, expires_in_s=60)
+    now[0] += 60
+    app, router = make_app((store,))
+    test_client = app.test_client()
+    test_client.post("/admin/reload")
+    test_client.post("/admin/reload", headers=bearer("cgf_000000000000_wrong"))
+    test_client.post("/admin/reload", headers=bearer(user))
+    test_client.post("/admin/reload", headers=bearer(expired))
+    test_client.post("/admin/reload", json={"release_id": "R0"}, headers={**bearer(admin), "X-Request-ID": "audit-1"},
+                     environ_base={"REMOTE_ADDR": "10.1.2.3"})
+    test_client.post("/admin/reload", data="{", content_type="application/json", headers=bearer(admin))
+    test_client.get("/admin/reload", headers=bearer(admin))
+    test_client.post("/v1/query", json={"question": "q"}, headers=bearer(user))  # not an admin action
+    events = audit_events(store)
+    assert [(event["action"], event["result"], event["reason"], event["key_name"]) for event in events] == [
+        ("admin.reload", "denied", "unauthenticated", None),
+        ("admin.reload", "denied", "invalid_api_key", None),
+        ("admin.reload", "denied", "forbidden", "app"),
+        ("admin.reload", "denied", "key_expired", "old-ops"),
+        ("admin.reload", "ok", None, "ops"),
+        ("admin.reload", "error", "invalid_json", "ops"),
+        ("GET /admin/reload", "error", "method_not_allowed", None),
+    ]
+    done = events[4]
+    assert (done["via"], done["target"], done["detail"], done["key_id"]) == ("rest", "R0", {"release_id": "R0"},
+                                                                               ops.key_id)
+    assert done["remote_addr"] == "10.1.2.3" and done["request_id"] == "audit-1" and router.reloaded == ["R0"]
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", event["ts"]) for event in events)
+    assert events[0]["remote_addr"] == "127.0.0.1"
+
+
+def test_no_key_or_key_hash_reaches_the_logs_or_the_audit_log(keys):
+    """Real keys, good and bad, on every kind of request: the log output and the audit log hold key ids only."""
+    store, user, admin = keys
+    app, _ = make_app(keys)
+    output = io.StringIO()
+    handler = logging.StreamHandler(output)
+    loggers = [logging.getLogger(name) for name in ("", "cagflow.router", "cagflow.router.access")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        test_client = app.test_client()
+        test_client.post("/v1/query", json={"question": "q"}, headers=user)
+        test_client.post("/v1/query", json={"question": "q", "stream": True}, headers=user).get_data()
+        test_client.post("/v1/query", json={"question": "q"}, headers={"Authorization": user["Authorization"] + "x"})
+        test_client.post("/admin/reload", headers=user)
+        test_client.post("/admin/reload", json={"release_id": "R0"}, headers=admin)
+        test_client.post("/admin/reload", data="{", content_type="application/json", headers=admin)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    logged = output.getvalue()
+    audit = store.path.with_name("audit.jsonl").read_text()
+    assert logged.count('"endpoint": "/v1/query"') == 3 and logged.count('"action": "admin.reload"') == 3
+    assert len(audit.splitlines()) == 3
+    secrets = [headers["Authorization"].split("_", 2)[2] for headers in (user, admin)]
+    hashes = [record["sha256"] for record in json.loads(store.path.read_text())["keys"]]
+    for text in (logged, audit):
+        assert not [secret for secret in secrets + hashes if secret in text]
