@@ -163,10 +163,14 @@ class LocalStore(SnapshotStore):
 
     def _write_temp(self, directory: Path, data: bytes) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except BaseException:
+            os.unlink(tmp)  # a full disk keeps no partial file taking the space
+            raise
         return Path(tmp)
 
     def put(self, name: str, data: bytes, *, overwrite: bool = False) -> ObjectInfo:
@@ -182,7 +186,11 @@ class LocalStore(SnapshotStore):
                         self._write_sidecar(path, digest)
                 else:
                     os.link(tmp, path)  # atomic and refuses to replace: first writer wins
-                    self._write_sidecar(path, digest)
+                    try:
+                        self._write_sidecar(path, digest)
+                    except OSError:
+                        path.unlink()  # no object without its checksum (a full disk, say)
+                        raise
             finally:
                 tmp.unlink(missing_ok=True)
         except FileExistsError:

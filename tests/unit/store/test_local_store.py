@@ -255,3 +255,28 @@ def test_a_reader_ping_reports_a_vanished_store_and_never_recreates_it(tmp_path:
     store.ping(create=True)  # a writer about to fill it
     assert store.root.is_dir()
     store.ping()
+
+
+@pytest.mark.parametrize("failing", ["data", "checksum"])
+def test_a_full_disk_leaves_no_partial_file_and_no_object(store: LocalStore, monkeypatch, failing: str):
+    """ENOSPC while the bytes or the checksum sidecar are written: a clear error, no object that could be
+    listed or read, and no temp file keeping the space."""
+    import os
+
+    real_fsync = os.fsync
+    written = []
+
+    def fsync_until_full(fd: int) -> None:
+        written.append(fd)
+        if failing == "data" or len(written) > 1:  # the second fsync is the sidecar's
+            raise OSError(28, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_until_full)
+    with pytest.raises(StoreUnavailable, match="No space left on device"):
+        store.put("snapshots/doc/1/abc.safetensors", b"x" * 4096)
+    monkeypatch.undo()
+    assert store.head("snapshots/doc/1/abc.safetensors") is None
+    assert list(store.list()) == [] and temp_files(store.root) == []
+    assert [path for path in store.root.rglob("*") if path.is_file()] == []
+    store.put("snapshots/doc/1/abc.safetensors", b"x" * 4096)  # the name is free for the rerun
