@@ -10,6 +10,7 @@ or credential files, and any other secret is read from ``<NAME>`` or the file na
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +33,58 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]]+):(\d{1,5})$")
+
+
+class TritonReplica(_Section):
+    """One Triton server behind the router. ``name`` labels its metrics and places keys on it (rendezvous
+    hashing): renaming a replica moves its snapshots; by default it is ``http_url``."""
+
+    name: str | None = None
+    http_url: str  # host:port of Triton's HTTP endpoint
+    grpc_url: str  # host:port of Triton's gRPC endpoint: streamed answers
+    metrics_url: str | None = None  # its resident snapshots for /readyz; None: not checked
+
+    @field_validator("http_url", "grpc_url")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        found = _HOST_PORT.match(value)
+        if not found or not 1 <= int(found.group(2)) <= 65535:
+            raise ValueError("must be HOST:PORT without a scheme (e.g. 10.0.0.5:8000)")
+        return value
+
+    @field_validator("metrics_url")
+    @classmethod
+    def _metrics_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL (e.g. http://10.0.0.5:8002/metrics)")
+        return value
+
+    @property
+    def id(self) -> str:
+        return self.name or self.http_url
+
+
+def _replica_entries(value: Any) -> Any:
+    """``service.triton_replicas`` as a list of mappings. Besides YAML or JSON lists of mappings, a text of
+    comma-separated entries is read (handy in an environment variable), each entry being space-separated
+    ``KEY=VALUE`` pairs with the mapping's keys: ``http_url=a:8000 grpc_url=a:8001, http_url=b:8000 ...``."""
+    if isinstance(value, str):
+        value = [entry for entry in value.split(",") if entry.strip()]
+    if not isinstance(value, list):
+        return value
+    entries = []
+    for entry in value:
+        if isinstance(entry, str):
+            pairs = [pair.partition("=") for pair in entry.split()]
+            if not pairs or any(not key or not sep or not item for key, sep, item in pairs):
+                raise ValueError(f"entry {entry.strip()!r}: write space-separated KEY=VALUE pairs "
+                                 "(name, http_url, grpc_url, metrics_url)")
+            entry = {key: item for key, _, item in pairs}
+        entries.append(entry)
+    return entries
+
+
 class ServiceConfig(_Section):
     """The REST router: where it listens, where it finds Triton, how it routes and what it admits."""
 
@@ -46,6 +99,10 @@ class ServiceConfig(_Section):
     triton_url: str = "127.0.0.1:8000"  # host:port of Triton's HTTP endpoint
     triton_grpc_url: str = "127.0.0.1:8001"  # host:port of Triton's gRPC endpoint: streamed answers
     triton_metrics_url: str | None = "http://127.0.0.1:8002/metrics"  # resident snapshots for /readyz; None: skip
+    # Several Triton replicas (README "Several Triton replicas"); when set, they replace the three triton_*_url
+    # keys above, which describe the one replica otherwise.
+    triton_replicas: list[TritonReplica] = []
+    triton_reprobe_s: float = Field(2.0, gt=0)  # how often a replica marked down is probed until it is back
     triton_timeout_s: float = Field(120.0, gt=0)
     retries: int = Field(1, ge=0, le=5)  # extra attempts on connection errors to Triton and OpenSearch
     in_scope_threshold: float = Field(0.83, ge=-1.0, le=1.0)  # see cagflow.search.scope; `cagflow bench routing`
@@ -64,6 +121,26 @@ class ServiceConfig(_Section):
     max_body_bytes: int = Field(16384, ge=256)
     max_question_chars: int = Field(2000, ge=1)
     release_poll_s: float = Field(30.0, ge=0)  # how often to re-read the store's current release; 0 = only on reload
+
+    @field_validator("triton_replicas", mode="before")
+    @classmethod
+    def _read_replicas(cls, value: Any) -> Any:
+        return _replica_entries(value)
+
+    @field_validator("triton_replicas")
+    @classmethod
+    def _distinct_replicas(cls, value: list[TritonReplica]) -> list[TritonReplica]:
+        for label, names in (("http_url", [replica.http_url for replica in value]),
+                             ("name", [replica.id for replica in value])):
+            repeated = sorted({name for name in names if names.count(name) > 1})
+            if repeated:
+                raise ValueError(f"{label} {', '.join(repeated)} given twice: list each replica once")
+        return value
+
+    def replicas(self) -> list[TritonReplica]:
+        """The Triton replicas to route to: ``triton_replicas``, else the one the triton_*_url keys name."""
+        return self.triton_replicas or [TritonReplica.model_construct(  # these keys were never checked: as before
+            name=None, http_url=self.triton_url, grpc_url=self.triton_grpc_url, metrics_url=self.triton_metrics_url)]
 
 
 class S3Config(_Section):

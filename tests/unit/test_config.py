@@ -106,3 +106,49 @@ def test_the_example_config_lists_every_key_with_its_default():
 
     assert walk(defaults, example, ()) == []
     load_config(example_path, environ={})  # and it validates
+
+
+def test_one_triton_replica_from_the_single_address_keys():
+    config = load_config(environ={"CAGFLOW__SERVICE__TRITON_URL": "triton:9000",
+                                  "CAGFLOW__SERVICE__TRITON_GRPC_URL": "triton:9001",
+                                  "CAGFLOW__SERVICE__TRITON_METRICS_URL": "null"})
+    [replica] = config.service.replicas()
+    assert (replica.id, replica.http_url, replica.grpc_url, replica.metrics_url) == (
+        "triton:9000", "triton:9000", "triton:9001", None)
+
+
+@pytest.mark.parametrize("value", [
+    "name=a http_url=10.0.0.5:8000 grpc_url=10.0.0.5:8001 metrics_url=http://10.0.0.5:8002/metrics,"
+    " http_url=10.0.0.6:8000 grpc_url=10.0.0.6:8001",
+    '[{"name": "a", "http_url": "10.0.0.5:8000", "grpc_url": "10.0.0.5:8001",'
+    ' "metrics_url": "http://10.0.0.5:8002/metrics"}, {"http_url": "10.0.0.6:8000", "grpc_url": "10.0.0.6:8001"}]',
+])
+def test_triton_replicas_from_the_environment_as_text_or_json(value):
+    config = load_config(environ={"CAGFLOW__SERVICE__TRITON_REPLICAS": value})
+    assert [(replica.id, replica.grpc_url, replica.metrics_url) for replica in config.service.replicas()] == [
+        ("a", "10.0.0.5:8001", "http://10.0.0.5:8002/metrics"), ("10.0.0.6:8000", "10.0.0.6:8001", None)]
+
+
+def test_triton_replicas_from_a_file_replace_the_single_address(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("service:\n  triton_url: 127.0.0.1:8000\n  triton_replicas:\n"
+                    "    - {http_url: '[::1]:8000', grpc_url: '[::1]:8001'}\n"
+                    "    - http_url=127.0.0.1:9000 grpc_url=127.0.0.1:9001\n")
+    assert [replica.http_url for replica in load_config(path, environ={}).service.replicas()] == [
+        "[::1]:8000", "127.0.0.1:9000"]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("http_url=a:8000", "service.triton_replicas.0.grpc_url: Field required"),
+    ("http_url=http://a:8000 grpc_url=a:8001", "service.triton_replicas.0.http_url: Value error, must be HOST:PORT"),
+    ("http_url=a:8000 grpc_url=a:99999", "service.triton_replicas.0.grpc_url: Value error, must be HOST:PORT"),
+    ("http_url=a:8000 grpc_url=a:8001 metrics_url=a:8002", "service.triton_replicas.0.metrics_url: Value error"),
+    ("http_url=a:8000 grpc_url=a:8001 port=3", "service.triton_replicas.0.port: unknown key"),
+    ("a:8000 a:8001", "entry 'a:8000 a:8001': write space-separated KEY=VALUE pairs"),
+    ("http_url=a:8000 grpc_url=a:8001, http_url=a:8000 grpc_url=b:8001", "http_url a:8000 given twice"),
+    ("name=x http_url=a:8000 grpc_url=a:8001, name=x http_url=b:8000 grpc_url=b:8001", "name x given twice"),
+])
+def test_invalid_triton_replicas_say_what_is_wrong(value, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(environ={"CAGFLOW__SERVICE__TRITON_REPLICAS": value})
+    assert message in str(error.value)

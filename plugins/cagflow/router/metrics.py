@@ -42,7 +42,19 @@ BACKEND_SECONDS = Histogram("cagflow_router_backend_seconds",
                             ["backend"], buckets=LATENCY_BUCKETS)
 IN_FLIGHT = Gauge("cagflow_router_in_flight_requests", "requests holding a concurrency slot")
 RESIDENT_SNAPSHOTS = Gauge("cagflow_router_triton_resident_snapshots",
-                           "snapshots resident in Triton's cag_llm, as last seen by a readiness check")
+                           "snapshots resident in Triton's cag_llm, as last seen by a readiness check "
+                           "(summed over the ready replicas)")
+# Per Triton replica (``replica``: its name in service.triton_replicas, else its HTTP address).
+TRITON_REPLICA_REQUESTS = Counter("cagflow_router_triton_replica_requests_total",
+                                  "answer and stream calls to each Triton replica by outcome: ok, rejected (the "
+                                  "model refused), unavailable (connection failed), timeout", ["replica", "outcome"])
+TRITON_FAILOVERS = Counter("cagflow_router_triton_failovers_total",
+                           "requests sent on to the next replica after this replica failed to connect", ["replica"])
+TRITON_REPLICA_UP = Gauge("cagflow_router_triton_replica_up",
+                          "1 while requests go to this replica, 0 while it is marked down and probed", ["replica"])
+TRITON_REPLICA_RESIDENT = Gauge("cagflow_router_triton_replica_resident_snapshots",
+                                "snapshots resident in this replica's cag_llm, as last seen by a readiness check",
+                                ["replica"])
 RELEASE_SNAPSHOTS = Gauge("cagflow_router_release_snapshots", "snapshots in the active release")
 READY = Gauge("cagflow_router_ready", "1 when the last readiness check passed")
 DEGRADED = Gauge("cagflow_router_degraded", "1 when the last readiness check found a part missing (see /readyz)")

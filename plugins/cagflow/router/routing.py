@@ -59,7 +59,8 @@ from ..store.layout import CURRENT_POINTER
 from ..store.manifests import Release, activate_release, list_releases, load_release
 from . import metrics
 from .access import ApiError, Query
-from .triton_client import TritonClient, TritonRejected, TritonUnavailable
+from .replicas import TritonPool
+from .triton_client import TritonRejected, TritonUnavailable
 
 log = logging.getLogger("cagflow.router")
 QUESTION_VECTORS = 4096  # question embeddings remembered (1.5 KB each)
@@ -173,7 +174,7 @@ def triton_failure(error: TritonUnavailable | TritonRejected) -> ApiError:
 class Router:
     """The routing state of one process: release view, scope detector, Triton and OpenSearch clients."""
 
-    def __init__(self, config: Config, triton: TritonClient, index: ChunkIndex, scope: ScopeDetector,
+    def __init__(self, config: Config, triton: TritonPool, index: ChunkIndex, scope: ScopeDetector,
                  store: SnapshotStore, embedder: Embedder):
         self.config = config
         self.triton = triton
@@ -193,9 +194,7 @@ class Router:
     def from_config(cls, config: Config) -> "Router":
         service, retrieval = config.service, config.retrieval
         embedder = get_embedder()
-        triton = TritonClient(service.triton_url, service.triton_grpc_url, service.triton_timeout_s,
-                              service.retries, pool_size=service.max_concurrent_requests + 4,
-                              metrics_url=service.triton_metrics_url)
+        triton = TritonPool.from_config(service)
         index = ChunkIndex(retrieval.endpoint, retrieval.index, top_k=retrieval.top_k, timeout_s=retrieval.timeout_s,
                            max_retries=service.retries, embedder=embedder)
         scope = ScopeDetector(index, service.in_scope_threshold)
@@ -280,7 +279,8 @@ class Router:
                                "n_tokens": entry.n_tokens} for entry in active.snapshots] if active else []}
 
     def reload(self, release_id: str | None) -> dict[str, Any]:
-        """Activate ``release_id`` in the store first when given (rollback), then switch Triton and the router."""
+        """Activate ``release_id`` in the store first when given (rollback), then switch every Triton replica
+        and the router. Fails only when no replica switched; ``replicas`` reports each one."""
         if release_id is not None:
             try:
                 self._timed_store(activate_release, self.store, release_id)
@@ -291,34 +291,52 @@ class Router:
                                f"(`cagflow releases --activate {release_id}`), then reload without a release") from None
             except StoreError as exc:
                 raise ApiError(503, "store_unavailable", f"snapshot store unreachable: {exc}") from None
-        try:
-            result = self.triton.reload(release_id)
-        except (TritonUnavailable, TritonRejected) as exc:
-            raise triton_failure(exc) from None
+        report, failures = [], []
+        for replica, outcome in self.triton.reload(release_id):
+            if isinstance(outcome, dict):
+                report.append({"name": replica.id, "reloaded": True,
+                               "triton": json.loads(outcome.get("STATUS") or "{}")})
+                continue
+            failures.append(failure := triton_failure(outcome))
+            log.warning("reload of Triton replica %s failed: %s", replica.label, outcome)
+            report.append({"name": replica.id, "reloaded": False,
+                           "error": {"code": failure.code, "message": failure.message}})
+        switched = [entry["triton"] for entry in report if entry["reloaded"]]
+        if not switched:
+            raise failures[0]
         release = self.refresh(force=True)
-        return {"release_id": release.release_id if release else None,
-                "triton": json.loads(result.get("STATUS") or "{}")}
+        return {"release_id": release.release_id if release else None, "triton": switched[0], "replicas": report}
 
     # ---- readiness ----------------------------------------------------------------------------------
 
     def readiness(self) -> dict[str, Any]:
-        """``ready`` (200): at least one route can answer — the cache route (Triton's model and an active
-        release) or retrieval (Triton's model and OpenSearch); 503 only when neither can, so a load balancer
-        keeps a router that still answers. ``degraded``: serving with less than it should (OpenSearch down,
-        no release, store unreachable, snapshots not preloaded, no fixed chunks for scope detection,
-        retrieval index missing)."""
+        """``ready`` (200): at least one route can answer — the cache route (a Triton replica's model and an
+        active release) or retrieval (a Triton replica's model and OpenSearch); 503 only when neither can, so
+        a load balancer keeps a router that still answers. ``degraded``: serving with less than it should
+        (a Triton replica down, OpenSearch down, no release, store unreachable, snapshots not preloaded, no
+        fixed chunks for scope detection, retrieval index missing)."""
         reasons: list[str] = []
         degraded: list[str] = []
-        triton_ready = self.triton.model_ready()
+        replicas = self.triton.readiness()
+        several = len(replicas) > 1
+        triton_ready = any(replica["ready"] for replica in replicas)
         if not triton_ready:
             reasons.append(f"triton: model cag_llm not ready at {self.triton.base}")
-        resident = self.triton.resident_snapshots() if triton_ready else None
         release = self._release
         expected = min(len(release.snapshots), self.config.cache.max_resident_states) if release else 0
         if release is None:
             degraded.append("no active release: cache route off, every question goes to retrieval")
-        elif resident is not None and resident < expected:
-            degraded.append(f"triton: {resident} of {expected} snapshots resident (preload incomplete)")
+        for replica in replicas:
+            where = f"triton replica {replica['name']}" if several else "triton"
+            if not replica["ready"] and triton_ready:
+                degraded.append(f"{where}: model cag_llm not ready at {replica['url']}: its snapshots go to the "
+                                "other replicas")
+            elif release is not None and replica["resident_snapshots"] is not None \
+                    and replica["resident_snapshots"] < expected:
+                degraded.append(f"{where}: {replica['resident_snapshots']} of {expected} snapshots resident "
+                                "(preload incomplete)")
+        known = [replica["resident_snapshots"] for replica in replicas if replica["resident_snapshots"] is not None]
+        resident = sum(known) if known else None
         if resident is not None:
             metrics.RESIDENT_SNAPSHOTS.set(resident)
         store = {"url": self.store.url, "reachable": True}
@@ -347,7 +365,8 @@ class Router:
         metrics.DEGRADED.set(1 if degraded else 0)
         return {
             "ready": ready, "degraded": bool(degraded), "reasons": reasons + degraded,
-            "triton": {"url": self.triton.base, "ready": triton_ready, "resident_snapshots": resident},
+            "triton": {"url": self.triton.base, "ready": triton_ready, "resident_snapshots": resident,
+                       "replicas": replicas},
             "release": {"release_id": release.release_id if release else None,
                         "snapshots": len(release.snapshots) if release else 0},
             "opensearch": opensearch, "store": store, "scope": {"fixed_chunks": self.scope.size,

@@ -31,6 +31,11 @@ class TritonUnavailable(CagflowError):
     code = "triton_unavailable"
 
 
+class TritonTimeout(TritonUnavailable):
+    """Triton took longer than the timeout: the request may still be computing there, so it is not sent to
+    another replica."""
+
+
 class TritonRejected(CagflowError):
     """Triton answered with an error: ``status`` is its HTTP status (400, 404, 503, 500)."""
 
@@ -79,7 +84,7 @@ class TritonClient:
                 if attempt == self.retries:
                     raise TritonUnavailable(f"Triton at {self.base} unreachable: {type(exc).__name__}") from None
             except requests.Timeout:
-                raise TritonUnavailable(f"Triton at {self.base} did not answer within {timeout_s:g} s") from None
+                raise TritonTimeout(f"Triton at {self.base} did not answer within {timeout_s:g} s") from None
             except requests.RequestException as exc:  # a broken or undecodable reply
                 raise TritonUnavailable(f"Triton at {self.base} failed: {type(exc).__name__}") from None
         try:
@@ -107,8 +112,15 @@ class TritonClient:
         return result
 
     def model_ready(self, model: str = ANSWER_MODEL, timeout_s: float = 2.0) -> bool:
+        return self._answers_ok(f"/v2/models/{model}/ready", timeout_s)
+
+    def server_ready(self, timeout_s: float = 1.0) -> bool:
+        """Every model of the server is ready (``/v2/health/ready``)."""
+        return self._answers_ok("/v2/health/ready", timeout_s)
+
+    def _answers_ok(self, path: str, timeout_s: float) -> bool:
         try:
-            return self._session.get(f"{self.base}/v2/models/{model}/ready", timeout=timeout_s).status_code == 200
+            return self._session.get(self.base + path, timeout=timeout_s).status_code == 200
         except requests.RequestException:
             return False
 
@@ -155,7 +167,7 @@ class TritonClient:
                 try:
                     result, error = responses.get(timeout=self.timeout_s)
                 except queue.Empty:
-                    raise TritonUnavailable(f"Triton stream gave nothing for {self.timeout_s:g} s") from None
+                    raise TritonTimeout(f"Triton stream gave nothing for {self.timeout_s:g} s") from None
                 if error is not None:
                     raise _stream_error(error, self.grpc_url)
                 response = result.get_response()
@@ -177,11 +189,15 @@ _GRPC_STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.NOT_FOUND": 404,
 
 
 def _stream_error(error: Exception, grpc_url: str) -> Exception:
-    """A gRPC failure as the same exceptions the HTTP path raises: unreachable, or rejected with a status."""
+    """A gRPC failure as the same exceptions the HTTP path raises: unreachable, or rejected with a status.
+    UNAVAILABLE without the serving side's error code is the connection failing (the server went away
+    mid-stream): the serving side always sends a code with its own refusals."""
     status = str(error.status()) if hasattr(error, "status") else ""
     message = error.message() if hasattr(error, "message") else str(error)
     if "failed to connect" in (message or "").lower() or "connection refused" in (message or "").lower():
         return TritonUnavailable(f"Triton gRPC at {grpc_url} unreachable: {message}")
+    if status == "StatusCode.UNAVAILABLE" and split_code(message or "")[0] is None:
+        return TritonUnavailable(f"Triton gRPC at {grpc_url} went away: {message}")
     return TritonRejected(_GRPC_STATUS.get(status, 500), message or status)
 
 
