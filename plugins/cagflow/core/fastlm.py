@@ -88,8 +88,12 @@ def cpu_has_avx512_bf16() -> bool:
 
 
 def kernel_build_dir() -> Path:
-    """Where this kernel source, built with these flags, lives (a new source gets a new folder)."""
-    digest = hashlib.sha256(_KERNEL_SOURCE.read_bytes() + " ".join(_NATIVE_CFLAGS).encode()).hexdigest()[:12]
+    """Where this kernel source, built with these flags against this torch installation, lives. Each torch
+    installation (a virtual environment) gets its own folder: ninja rebuilds whenever the build command
+    changes, so two environments sharing one folder would rebuild it back and forth. (Triton's stub
+    environment uses the main environment's torch, so it shares that folder.)"""
+    environment = f"{' '.join(_NATIVE_CFLAGS)} {torch.__version__} {Path(torch.__file__).parent}".encode()
+    digest = hashlib.sha256(_KERNEL_SOURCE.read_bytes() + environment).hexdigest()[:12]
     return CACHE_HOME / "kernels" / f"fastlm_kernels_{digest}"
 
 
