@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.cagflow-deps
 PYTEST_ARGS ?=
 
-.PHONY: install browser tools run stop test test-unit help
+.PHONY: install browser tools run stop test test-unit images test-containers help
 
 help:
 	@echo "make run   - install, start OpenSearch, Triton, Airflow and the REST API, run the ingest and precompute"
@@ -13,6 +13,8 @@ help:
 	@echo "make stop  - stop the services make run started"
 	@echo "make test  - install and run the whole test suite (it starts its own servers on 127.0.0.1)"
 	@echo "make tools - build the container files' linters once (compose, promtool, kustomize, hadolint; ~11 min the first time)"
+	@echo "make images - build every image docker/docker-compose.yml runs, without a registry (docker/build-local.sh)"
+	@echo "make test-containers - run the compose stack with the smallest model: both DAGs, the demo, /readyz, /metrics"
 
 # Dependencies are reinstalled only when a requirements file changes; the project itself is
 # (re)linked every time so a venv kept outside the checkout always points at this checkout.
@@ -95,3 +97,13 @@ test: install browser tools
 
 test-unit: install tools
 	$(BIN)/python -m pytest -m "not integration and not real_model" $(PYTEST_ARGS)
+
+# The container images, built from package registries only (no image registry): the Debian and Python bases, local
+# equivalents of the third-party images and the project's image (docker/build-local.sh; --rebuild: REBUILD=1).
+images: install tools
+	@PYTHON=$(BIN)/python bash docker/build-local.sh $(if $(REBUILD),--rebuild)
+
+# The compose stack, really run with the smallest model tier (docker/test-containers.sh): builds the missing images,
+# runs both DAGs and the demo through the containers, checks /readyz and /metrics, then removes its containers.
+test-containers: install tools
+	@PYTHON=$(BIN)/python bash docker/test-containers.sh

