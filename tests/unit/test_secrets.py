@@ -52,6 +52,7 @@ def _literal(raw: str) -> str:
 def _allowed(name: str, value: str) -> bool:
     return (not value  # to be filled in, or a YAML section
             or VARIABLE.fullmatch(value) is not None  # taken from the environment at run time
+            or value.startswith("$(")  # generated at run time by a shell command (e.g. openssl rand)
             or name.lower().endswith("_file")  # the path of a secret file (Docker/Kubernetes secrets), not the secret
             or value in ALLOWED_VALUES)
 
