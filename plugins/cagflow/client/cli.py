@@ -357,6 +357,14 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
         from ..bench.answers import main as run_answers_bench
 
         return run_answers_bench(config, args)
+    if args.which == "load":
+        from ..bench.load import main as run_load_bench
+
+        return run_load_bench(config, args)
+    if args.which == "faults":
+        from ..bench.faults import main as run_faults_bench
+
+        return run_faults_bench(config, args)
     measure, show = {"retrieval": (benchmarks.retrieval_recall, benchmarks.print_retrieval_table),
                      "routing": (benchmarks.routing_calibration, benchmarks.print_routing_table)}[args.which]
     try:
@@ -464,11 +472,14 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(run=cmd_config)
 
     bench = commands.add_parser("bench", help="benchmarks (reported, never asserted)")
-    bench.add_argument("which", choices=("retrieval", "routing", "engine", "answers"),
+    bench.add_argument("which", choices=("retrieval", "routing", "engine", "answers", "load", "faults"),
                        help="retrieval: recall@k of BM25, vector and hybrid search; routing: in-scope detection "
                             "per threshold and its calibration; engine: answer speed from a resident snapshot; "
                             "answers: are the answers right, per route, through the running API "
-                            "(--precisions: int8 against fp32 in this process)")
+                            "(--precisions: int8 against fp32 in this process); load: many clients at once "
+                            "through the running API, and the servers' memory (exit 1 on an unintended error); faults: "
+                            "faults injected into a stack of its own on 127.0.0.1 while requests are in flight "
+                            "(exit 1 when a scenario does not hold)")
     engine = bench.add_argument_group("options of `bench engine` and `bench answers`")
     engine.add_argument("--model", help="a model preset or path (default: model.path of the configuration)")
     engine.add_argument("--runs", type=int, default=3, help="short runs per cell; the median is reported")
@@ -488,6 +499,27 @@ def build_parser() -> argparse.ArgumentParser:
                              "question; token-identical to the cache route)")
     engine.add_argument("--auto-only", action="store_true",
                         help="bench answers: ask each question once, routed by the API (no per-route comparison)")
+    load = bench.add_argument_group("options of `bench load`")
+    load.add_argument("--clients", type=int, help="clients asking at once (default: 50 in the burst of `bench "
+                                                  "load`, 4 during each scenario of `bench faults`)")
+    load.add_argument("--duration", type=float, default=60, help="seconds of the burst (default 60)")
+    load.add_argument("--soak", type=float, default=0,
+                      help="then this many seconds at a lower rate, to see whether memory grows (default 0: none)")
+    load.add_argument("--soak-clients", type=int, default=4, help="clients in the soak (default 4)")
+    load.add_argument("--soak-pause", type=float, default=1.0,
+                      help="seconds between a soak client's requests (default 1)")
+    load.add_argument("--max-new-tokens", type=int, help="per answer (default: the API's)")
+    load.add_argument("--stream-share", type=float, default=0.2,
+                      help="share of the requests that ask for a streamed answer (default 0.2)")
+    load.add_argument("--pid", action="append", metavar="NAME=PID",
+                      help="sample this process group's memory as NAME (default: the router and Triton that "
+                           "`cagflow router up` and `cagflow triton up` recorded); repeatable")
+    faults = bench.add_argument_group("options of `bench faults` (also --model, --clients, --max-new-tokens)")
+    faults.add_argument("--scenario", action="append", metavar="NAME",
+                        help="run only this scenario (repeatable; default: all of them, see bench/README.md)")
+    faults.add_argument("--fault-doc-id", action="append", metavar="DOC_ID",
+                        help="one of the three fixed documents of its release (give three; default: the three "
+                             "smallest English ones of the manifest)")
     bench.set_defaults(run=cmd_bench)
 
     for service in SERVICES:

@@ -185,7 +185,7 @@ class LocalSeaweedFS(ServerContext):
         weed = find_weed_binary()
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
         self._write_identities()
-        self.ports = choose_ports()
+        self.ports = self.ports or choose_ports()  # a restart keeps the address its clients were given
         self._server.launch(self._command(weed), cwd=self.data_dir, env=self._environment())
         probe = self.client(connect_timeout_s=1.0, max_attempts=1)
 
