@@ -71,7 +71,9 @@ def gunicorn_options(config: Config, host: str | None = None, port: int | None =
         "threads": service.max_concurrent_requests + SPARE_THREADS,
         "timeout": int(service.triton_timeout_s) + GRACEFUL_TIMEOUT_S,
         "graceful_timeout": GRACEFUL_TIMEOUT_S,
-        "keepalive": 5,
+        # Longer than the 5 s Retry-After of a 503: a client that waits as asked and reuses its connection
+        # must not meet the server closing it at that very moment (a reset no POST can be retried on).
+        "keepalive": 15,
         "accesslog": None,  # the application writes one structured line per request
         "errorlog": "-",
         "proc_name": "cagflow-router",
