@@ -224,3 +224,28 @@ def test_answerability_takes_the_highest_threshold_that_keeps_the_answerable_que
     assert [row.threshold for row in sweep] == sorted((row.threshold for row in sweep), reverse=True)
     looser, _ = calibrate_answerability(records, matches, min_kept=0.75)
     assert looser.threshold == 0.475 and looser.answerable_kept == 0.75
+
+
+@pytest.mark.integration
+def test_a_poll_rereads_the_vectors_only_after_the_index_changed(opensearch_url, embedder):
+    with ChunkIndex(opensearch_url, f"it-scope-gen-{uuid.uuid4().hex[:8]}", timeout_s=30, embedder=embedder) as index:
+        index.ensure_index()
+        index.upsert(CHUNKS[:3])
+        detector = ScopeDetector(index, THRESHOLD)
+        assert detector.refresh() == 3
+        assert detector.refresh(if_changed=True) is None  # nothing written: one stats request, no scan
+        assert detector.refresh(["hr-handbook"], if_changed=True) == 2  # another release's documents: reread
+
+        passwords = embedder.encode_query("How often must passwords be rotated?")
+        assert detector.cite("hr-handbook", passwords).chunk_id != "vpn-2"
+        index.upsert([replace(CHUNKS[3], doc_id="hr-handbook")])  # a new chunk
+        assert detector.refresh(["hr-handbook"], if_changed=True) == 3
+        assert detector.cite("hr-handbook", passwords).chunk_id == "vpn-2"
+        assert detector.refresh(["hr-handbook"], if_changed=True) is None
+
+        canteen = embedder.encode_query("What does the canteen serve on Friday?")
+        before = detector.cite("hr-handbook", canteen).score
+        index.upsert([replace(CHUNKS[5], chunk_id="leave-2", doc_id="hr-handbook", tier="fixed")])  # replaced in place
+        assert detector.refresh(["hr-handbook"], if_changed=True) == 3
+        cited = detector.cite("hr-handbook", canteen)
+        assert cited.chunk_id == "leave-2" and cited.score > before + 0.05

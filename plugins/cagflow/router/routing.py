@@ -253,9 +253,11 @@ class Router:
         release = self._release
         if release is not None and (rescan_scope or self._scope_release_id != release.release_id):
             try:
-                chunks = self.scope.refresh(release.doc_ids)
+                chunks = self.scope.refresh(release.doc_ids,
+                                            if_changed=self._scope_release_id == release.release_id)
                 self._scope_release_id = release.release_id
-                log.info("scope detection: %d fixed chunks of release %s", chunks, release.release_id)
+                if chunks is not None:
+                    log.info("scope detection: %d fixed chunks of release %s", chunks, release.release_id)
             except RetrievalError as exc:
                 log.warning("scope detection not refreshed: %s", exc)
         return release

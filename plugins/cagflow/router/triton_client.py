@@ -15,7 +15,9 @@ from typing import Any, Iterator
 
 import numpy as np
 import requests
+import tritonclient.grpc as grpcclient  # imported with the router, not by its first stream (~40 MiB of modules)
 from requests.adapters import HTTPAdapter
+from tritonclient.utils import InferenceServerException
 
 from ..errors import CagflowError, split_code
 from . import metrics
@@ -137,9 +139,6 @@ class TritonClient:
 
     def stream(self, model: str = STREAM_MODEL, **values: Any) -> Iterator[dict[str, Any]]:
         """Every response of one request to the decoupled ``model`` (``TEXT`` pieces, then the final outputs)."""
-        import tritonclient.grpc as grpcclient
-        from tritonclient.utils import InferenceServerException
-
         inputs = []
         for name, value in values.items():
             if value is None or value == "":

@@ -422,6 +422,19 @@ class ChunkIndex:
         rows = self._call("read alias", self._client.cat.aliases, name=self.alias, format="json")
         return sorted(row["index"] for row in rows)
 
+    def generation(self) -> tuple:
+        """What changes whenever a chunk behind the alias is written or removed: the physical indices and their
+        primaries' document and write counters (each ingest ends with a refresh, which moves the document
+        counts). Equal generations mean the same chunks, so a reader holding them can skip reading them again.
+        Empty while no index exists."""
+        targets = self._alias_targets()
+        if not targets:
+            return ()
+        stats = self._call("index stats", self._client.indices.stats, index=",".join(targets), metric="docs,indexing")
+        primaries = stats["_all"]["primaries"]
+        return (tuple(targets), primaries["docs"]["count"], primaries["docs"]["deleted"],
+                primaries["indexing"]["index_total"], primaries["indexing"]["delete_total"])
+
     def _create_physical_index(self, with_alias: bool) -> str:
         if not self.describe().has_knn:
             raise RetrievalError(f"OpenSearch at {self.endpoint} has no {KNN_PLUGIN} plugin; vectors cannot be indexed")

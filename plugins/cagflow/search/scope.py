@@ -22,6 +22,7 @@ update of it: the router then tries the cache+retrieval route rather than plain 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Iterable, Sequence
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from .retrieval import ChunkIndex
 
 MIN_PRECISION = 0.95
+FULL_RESCAN_S = 600.0  # vectors re-read at least this often even when the index looks unchanged
 NO_MATCH_SCORE = -1.0  # the lowest cosine similarity: the score against an empty set of chunks
 
 
@@ -114,6 +116,8 @@ class ScopeDetector:
         self.index = index
         self.threshold = threshold
         self._vectors = _NO_VECTORS
+        self._loaded: tuple = ()  # (index generation, release documents) of the vectors held
+        self._loaded_at = 0.0
         self._refresh_lock = threading.Lock()
 
     @property
@@ -130,12 +134,19 @@ class ScopeDetector:
     def doc_ids(self) -> frozenset[str]:
         return frozenset(chunk.doc_id for chunk in self._vectors.cacheable_chunks)
 
-    def refresh(self, doc_ids: Iterable[str] | None = None) -> int:
+    def refresh(self, doc_ids: Iterable[str] | None = None, if_changed: bool = False) -> int | None:
         """Reload every chunk vector from OpenSearch. With ``doc_ids`` (the active release's documents)
         only their fixed chunks are cacheable, so no question is sent to a document without a snapshot.
-        Returns the number of cacheable chunks; matching uses the previous set until the new one is whole."""
+        ``if_changed``: only when the index's generation or ``doc_ids`` differ from the last load, or that
+        load is ``FULL_RESCAN_S`` old (a periodic poll then costs one stats request instead of every vector,
+        whose parsing churns the router's memory). Returns the number of cacheable chunks loaded (None: skipped
+        as unchanged); matching uses the previous set until the new one is whole."""
         release = None if doc_ids is None else set(doc_ids)
         with self._refresh_lock:
+            generation = self.index.generation()  # before the scan: a write during it shows at the next look
+            loaded = (generation, release)
+            if if_changed and loaded == self._loaded and time.monotonic() - self._loaded_at < FULL_RESCAN_S:
+                return None
             cacheable, chunks, others, other_chunks = [], [], [], []
             for chunk in self.index.scan():
                 if chunk.tier == "fixed" and (release is None or chunk.doc_id in release):
@@ -147,6 +158,7 @@ class ScopeDetector:
             rows = {chunk.chunk_id: row for row, chunk in enumerate(other_chunks)}
             self._vectors = _Vectors(_matrix(cacheable), chunks, _matrix(others), other_chunks,
                                      rows)  # one assignment: atomic swap
+            self._loaded, self._loaded_at = loaded, time.monotonic()
             return len(chunks)
 
     def match(self, vector: Sequence[float] | np.ndarray) -> ScopeMatch:
