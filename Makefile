@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.cagflow-deps
 PYTEST_ARGS ?=
 
-.PHONY: install browser tools run stop test test-unit images test-containers help
+.PHONY: install browser redis tools run stop test test-unit images test-containers help
 
 help:
 	@echo "make run   - install, start OpenSearch, Triton, Airflow and the REST API, run the ingest and precompute"
@@ -86,13 +86,21 @@ browser:
 	  { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
 	  echo "make test: the Airflow UI test needs Debian's chromium and chromium-driver (apt-get install as root)"
 
+# The shared rate-limit tests (tests/integration/test_shared_rate_limit.py) start their own Debian redis-server on a
+# free port: installed here when missing, and not left running as a service.
+redis:
+	@command -v redis-server >/dev/null || \
+	  { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null && \
+	    { systemctl disable --now redis-server 2>/dev/null || service redis-server stop >/dev/null 2>&1 || :; }; } || \
+	  echo "make test: the shared rate-limit tests need Debian's redis-server (apt-get install as root)"
+
 # The container files' linters (tests/unit/test_container_files.py) and kustomize (tests/unit/test_k8s_manifests.py),
 # cached in ~/.cache/cagflow/tools by version: built from the Go module proxy on the first run (~11 min on 2 cores),
 # then found in a second.
 tools: $(STAMP)
 	@PYTHON=$(BIN)/python bash docker/static-tools.sh
 
-test: install browser tools
+test: install browser redis tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-unit: install tools

@@ -13,13 +13,16 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator
 
 from .errors import CagflowError
 
 ENV_PREFIX = "CAGFLOW__"
+# The secret that, when set, gives service.rate_limit_redis_url (a URL with a password belongs in a secret).
+RATE_LIMIT_REDIS_SECRET = "CAGFLOW_RATE_LIMIT_REDIS_URL"
 CACHE_HOME = Path(os.environ.get("CAGFLOW_HOME", Path.home() / ".cache" / "cagflow"))
 
 
@@ -63,6 +66,32 @@ class TritonReplica(_Section):
     @property
     def id(self) -> str:
         return self.name or self.http_url
+
+
+def redis_url(value: str) -> str:
+    """``value`` when it is a Redis URL redis-py can use: ``redis://`` or ``rediss://`` (TLS), a host, a numeric
+    port and database."""
+    try:
+        parts = urlsplit(value)
+        valid = parts.scheme in ("redis", "rediss") and bool(parts.hostname) and parts.port != 0 \
+            and (parts.path.strip("/") or "0").isdigit()
+    except ValueError:  # a port that is not a number in range, or an unmatched bracket
+        valid = False
+    if not valid:
+        raise ValueError("must be redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] or rediss://... for TLS "
+                         "(e.g. redis://10.0.0.7:6379/0), or empty for per-router limits")
+    return value
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password, if any, replaced by ``***``: for logs, /readyz, errors and ``cagflow config``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # an unmatched bracket in the host: what follows the scheme may be a password
+        return f"{url.partition('//')[0]}//(unparsable)"
+    if parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}"))
 
 
 def _replica_entries(value: Any) -> Any:
@@ -118,9 +147,21 @@ class ServiceConfig(_Section):
     audit_log_file: str | None = str(CACHE_HOME / "audit.jsonl")
     rate_limit_per_s: float = Field(5.0, gt=0)  # per API key, token bucket refill
     rate_limit_burst: int = Field(20, ge=1)
+    # Redis holding the buckets, so that several routers share each key's limit; "": each router its own
+    # (in memory). The secret CAGFLOW_RATE_LIMIT_REDIS_URL (or _FILE) overrides it (rate_limit_store).
+    rate_limit_redis_url: str = ""
     max_body_bytes: int = Field(16384, ge=256)
     max_question_chars: int = Field(2000, ge=1)
     release_poll_s: float = Field(30.0, ge=0)  # how often to re-read the store's current release; 0 = only on reload
+
+    @field_validator("rate_limit_redis_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        return redis_url(value) if value else value
+
+    @field_serializer("rate_limit_redis_url")
+    def _hide_password(self, value: str) -> str:
+        return redact_url(value)
 
     @field_validator("triton_replicas", mode="before")
     @classmethod
@@ -136,6 +177,17 @@ class ServiceConfig(_Section):
             if repeated:
                 raise ValueError(f"{label} {', '.join(repeated)} given twice: list each replica once")
         return value
+
+    def rate_limit_store(self, environ: dict[str, str] | None = None) -> str:
+        """The Redis URL the routers share rate limits through ("": none): the secret RATE_LIMIT_REDIS_SECRET
+        when set, else ``rate_limit_redis_url``."""
+        secret = read_secret(RATE_LIMIT_REDIS_SECRET, environ)
+        if not secret:
+            return self.rate_limit_redis_url
+        try:
+            return redis_url(secret)
+        except ValueError as exc:
+            raise ConfigError(f"{RATE_LIMIT_REDIS_SECRET}: {exc}") from None
 
     def replicas(self) -> list[TritonReplica]:
         """The Triton replicas to route to: ``triton_replicas``, else the one the triton_*_url keys name."""
@@ -315,7 +367,9 @@ def _describe(error: ValidationError) -> str:
         if item["type"] == "extra_forbidden":
             lines.append(f"{key}: unknown key")
         else:
-            lines.append(f"{key}: {item['msg']} (got {item.get('input')!r})")
+            value = item.get("input")
+            shown = redact_url(value) if isinstance(value, str) else value  # a URL's password stays out of it
+            lines.append(f"{key}: {item['msg']} (got {shown!r})")
     return "invalid configuration: " + "; ".join(lines)
 
 

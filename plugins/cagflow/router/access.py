@@ -1,11 +1,14 @@
 """What the router admits: API errors as data, request ids, per-key rate limits, the concurrency cap,
 and strict parsing of the query body.
 
-Everything here is pure (no Flask, no network), so every admission rule is tested without a server.
+Everything here but ``RedisRateLimiter`` is pure (no Flask, no network), so every admission rule is tested
+without a server.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import re
 import threading
 import time
@@ -13,9 +16,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import ServiceConfig
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ..config import ServiceConfig, redact_url
 from ..core.keys import validate_doc_id
 from ..errors import CagflowError
+from . import metrics
+
+log = logging.getLogger("cagflow.router")
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 QUERY_FIELDS = frozenset({"question", "doc_id", "top_k", "max_new_tokens", "stream", "route"})
@@ -66,6 +76,100 @@ class RateLimiter:
                 return 0.0
             self._buckets[key_id] = (tokens, now)
             return (1.0 - tokens) / self.per_s
+
+    def readiness(self) -> dict[str, Any]:
+        return {"store": "memory", "shared": False}
+
+
+# KEYS[1]: the key's bucket; ARGV: per_s, burst, expiry in ms. The same arithmetic as RateLimiter.acquire, on
+# the Redis server's clock. Numbers are stored and returned as text: Lua's own number formatting keeps 14
+# digits (not the microseconds of a Unix time), and a Lua number reply would be truncated to an integer.
+_TOKEN_BUCKET = """
+local per_s, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local server_time = redis.call('TIME')
+local now = tonumber(server_time[1]) + tonumber(server_time[2]) / 1000000
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+local tokens = tonumber(state[1]) or burst
+local last = tonumber(state[2]) or now
+tokens = math.min(burst, tokens + math.max(0, now - last) * per_s)
+local wait = 0
+if tokens >= 1 then tokens = tokens - 1 else wait = (1 - tokens) / per_s end
+redis.call('HSET', KEYS[1], 'tokens', string.format('%.9f', tokens), 'at', string.format('%.6f', now))
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return string.format('%.6f', wait)
+"""
+KEY_PREFIX = "cagflow:ratelimit:"
+READINESS_KEY = "readiness-probe"  # not hex, so never an API key's id
+STORE_TIMEOUT_S = 0.25  # connect and reply: a slow store costs a request this much at most
+STORE_RETRY_S = 1.0  # after a failed call, requests skip the store this long rather than each wait for it
+EXPIRY_MARGIN_MS = 1000
+
+
+class RedisRateLimiter:
+    """``RateLimiter``'s token buckets kept in Redis, so that all routers behind a proxy draw on one bucket
+    per key. One Lua script refills and takes a token atomically, on the Redis server's clock (the routers'
+    clocks never enter); a bucket expires once it would be full again, so idle keys leave nothing behind.
+
+    Redis unreachable or failing: the request is limited by this router's own in-memory bucket (fail open, so
+    a store outage never turns into refused requests; N routers then admit up to N times a key's rate). Each
+    failed call counts in ``cagflow_router_rate_limit_store_errors_total``, an outage logs one warning (and
+    one line when it ends), /readyz reports it as degraded, and Redis is tried again ``retry_s`` later."""
+
+    def __init__(self, url: str, per_s: float, burst: int, *, timeout_s: float = STORE_TIMEOUT_S,
+                 retry_s: float = STORE_RETRY_S, clock=time.monotonic):
+        self.per_s = per_s
+        self.burst = burst
+        self.store = redact_url(url)
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                           retry=Retry(NoBackoff(), 0))
+        self._bucket = self._redis.register_script(_TOKEN_BUCKET)  # EVALSHA, loaded again after a Redis restart
+        self._expiry_ms = math.ceil(burst / per_s * 1000) + EXPIRY_MARGIN_MS
+        self._fallback = RateLimiter(per_s, burst, clock)
+        self._clock = clock
+        self._retry_s = retry_s
+        self._outage: tuple[float, str] | None = None  # (when to try Redis again, its last error) while down
+        self._lock = threading.Lock()
+
+    def acquire(self, key_id: str) -> float:
+        """Take one token; returns 0 when admitted, else the seconds until a token is available."""
+        outage = self._outage
+        wait_s = None if outage is not None and self._clock() < outage[0] else self._take(key_id)
+        return self._fallback.acquire(key_id) if wait_s is None else wait_s
+
+    def _take(self, key_id: str) -> float | None:
+        """A token from the key's shared bucket: the seconds to wait (0: admitted), or None when Redis failed."""
+        try:
+            wait_s = float(self._bucket(keys=[KEY_PREFIX + key_id], args=[self.per_s, self.burst, self._expiry_ms]))
+        except redis.RedisError as exc:
+            metrics.RATE_LIMIT_STORE_ERRORS.inc()
+            error = str(exc) or type(exc).__name__
+            with self._lock:
+                began, self._outage = self._outage is None, (self._clock() + self._retry_s, error)
+            if began:
+                log.warning("rate limit store %s failed (%s): each router limits keys on its own until it is back",
+                            self.store, error)
+            return None
+        if self._outage is not None:
+            with self._lock:
+                ended, self._outage = self._outage is not None, None
+            if ended:
+                log.info("rate limit store %s is back: rate limits are shared again", self.store)
+        return wait_s
+
+    def readiness(self) -> dict[str, Any]:
+        """The store as /readyz reports it, probed with the script itself (a Redis that answers PING but
+        refuses writes is no store); ``error`` while requests are limited per router."""
+        shared = self._take(READINESS_KEY) is not None
+        outage = self._outage
+        return {"store": self.store, "shared": shared, **({"error": outage[1]} if outage and not shared else {})}
+
+
+def rate_limiter(service: ServiceConfig, environ: dict[str, str] | None = None) -> RateLimiter | RedisRateLimiter:
+    """The limiter ``service`` asks for: shared through Redis when a store is configured, else in memory."""
+    url = service.rate_limit_store(environ)
+    if url:
+        return RedisRateLimiter(url, service.rate_limit_per_s, service.rate_limit_burst)
+    return RateLimiter(service.rate_limit_per_s, service.rate_limit_burst)
 
 
 class ConcurrencyGate:

@@ -24,7 +24,7 @@ from werkzeug.exceptions import HTTPException
 
 from ..config import Config, load_config
 from . import metrics
-from .access import ApiError, ConcurrencyGate, RateLimiter, parse_query, parse_reload, request_id_from
+from .access import ApiError, ConcurrencyGate, parse_query, parse_reload, rate_limiter, request_id_from
 from .apikeys import ApiKey, ApiKeyError, ApiKeyStore
 from .audit import AuditLog
 from .routing import Router, triton_failure
@@ -87,7 +87,7 @@ def create_app(config: Config | None = None, *, router: Router | None = None,
     _configure_logging()
     router = router or Router.from_config(config).start()
     keys = keys or ApiKeyStore(service.api_keys_file)
-    limiter = RateLimiter(service.rate_limit_per_s, service.rate_limit_burst)
+    limiter = rate_limiter(service)
     gate = ConcurrencyGate(service.max_concurrent_requests)
     audit = AuditLog(service.audit_log_file)
 
@@ -213,7 +213,13 @@ def create_app(config: Config | None = None, *, router: Router | None = None,
 
     @app.get("/readyz")
     def readyz() -> Response:
-        report = router.readiness()
+        limits = limiter.readiness()
+        report = {**router.readiness(), "rate_limit": limits}
+        if "error" in limits:  # a shared store configured but failing: limits hold per router, not in all
+            report["degraded"] = True
+            report["reasons"] = [*report["reasons"], f"rate limit store {limits['store']} failing: each router "
+                                 "limits keys on its own (a key may get the limit once per router)"]
+            metrics.DEGRADED.set(1)
         return _json(report, 200 if report["ready"] else 503)
 
     @app.get("/metrics")

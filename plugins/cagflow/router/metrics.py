@@ -40,6 +40,9 @@ ERRORS = Counter("cagflow_router_errors_total", "error responses by error code",
 BACKEND_SECONDS = Histogram("cagflow_router_backend_seconds",
                             "calls to dependencies: triton, triton_stream_first_piece, opensearch, embedding, store",
                             ["backend"], buckets=LATENCY_BUCKETS)
+RATE_LIMIT_STORE_ERRORS = Counter("cagflow_router_rate_limit_store_errors_total",
+                                  "calls to the shared rate-limit store (Redis) that failed; meanwhile this "
+                                  "router limits keys with its own in-memory buckets")
 IN_FLIGHT = Gauge("cagflow_router_in_flight_requests", "requests holding a concurrency slot")
 RESIDENT_SNAPSHOTS = Gauge("cagflow_router_triton_resident_snapshots",
                            "snapshots resident in Triton's cag_llm, as last seen by a readiness check "
