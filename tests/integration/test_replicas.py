@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import signal
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,6 @@ import pytest
 import requests
 from cagflow.bench.load import LoadGenerator
 from cagflow.config import load_config
-from cagflow.devstack.process import ServerProcess, free_port
 from cagflow.devstack.triton import LocalTriton
 from cagflow.offline import pipeline
 from cagflow.router.replicas import rank
@@ -83,26 +81,13 @@ def replicas(release_store, tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def router(opensearch_url, corpus_index, replicas, release_store, keys, tmp_path_factory):
     store, _ = release_store
-    run_dir = tmp_path_factory.mktemp("replicas-router")
-    port = free_port()
     listed = ", ".join(f"name={name} http_url={server.http_url} grpc_url={server.grpc_url} "
                        f"metrics_url={server.metrics_url}" for name, server in replicas.items())
-    environment = {**os.environ, **router_tests.router_settings(opensearch_url, corpus_index, replicas[NAMES[0]],
-                                                                store, keys[0]),
-                   "CAGFLOW__SERVICE__TRITON_REPLICAS": listed, "CAGFLOW__SERVICE__TRITON_REPROBE_S": "1",
-                   "CAGFLOW__SERVICE__MAX_CONCURRENT_REQUESTS": str(2 * CLIENTS),
-                   "CAGFLOW__SERVICE__PORT": str(port), "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-c", "from cagflow.config import load_config\n"
-               "from cagflow.router import run_server\nrun_server(load_config())"]
-    server = ServerProcess("router", run_dir / "router.log", router_tests.RouterError, leader_first=True)
-    server.launch(command, cwd=run_dir, env=environment)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        server.wait_ready(lambda: requests.get(f"{url}/healthz", timeout=1).ok, 120, interval_s=0.3,
-                          retry_on=(requests.RequestException,))
-        yield url, run_dir / "router.log"
-    finally:
-        server.stop(30)
+    settings = {**router_tests.router_settings(opensearch_url, corpus_index, replicas[NAMES[0]], store, keys[0]),
+                "CAGFLOW__SERVICE__TRITON_REPLICAS": listed, "CAGFLOW__SERVICE__TRITON_REPROBE_S": "1",
+                "CAGFLOW__SERVICE__MAX_CONCURRENT_REQUESTS": str(2 * CLIENTS)}
+    with router_tests.running_router(tmp_path_factory.mktemp("replicas-router"), settings) as running:
+        yield running
 
 
 def replica_metrics(url: str) -> dict[tuple[str, ...], float]:

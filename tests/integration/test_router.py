@@ -13,7 +13,9 @@ import sys
 import threading
 import time
 import uuid
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 import requests
@@ -108,14 +110,12 @@ def router_settings(opensearch_url, index, triton, store, keys_path) -> dict[str
             "CAGFLOW__RETRIEVAL__TIMEOUT_S": "5"}
 
 
-@pytest.fixture(scope="module")
-def router(opensearch_url, corpus_index, triton, release_store, keys, tmp_path_factory):
-    """The router process (``run_server``: gunicorn, one worker, threads); yields its base URL."""
-    store, _ = release_store
-    run_dir = tmp_path_factory.mktemp("router-run")
+@contextmanager
+def running_router(run_dir: Path, settings: dict[str, str]) -> Iterator[tuple[str, Path]]:
+    """The router process (``run_server``: gunicorn, one worker, threads) with ``settings`` on a free port;
+    yields its base URL and log file, and stops it."""
     port = free_port()
-    environment = {**os.environ, **router_settings(opensearch_url, corpus_index, triton, store, keys[0]),
-                   "CAGFLOW__SERVICE__PORT": str(port), "HF_HUB_OFFLINE": "1"}
+    environment = {**os.environ, **settings, "CAGFLOW__SERVICE__PORT": str(port), "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-c", "from cagflow.config import load_config\n"
                "from cagflow.router import run_server\nrun_server(load_config())"]
     server = ServerProcess("router", run_dir / "router.log", RouterError, leader_first=True)
@@ -127,6 +127,14 @@ def router(opensearch_url, corpus_index, triton, release_store, keys, tmp_path_f
         yield url, run_dir / "router.log"
     finally:
         server.stop(30)
+
+
+@pytest.fixture(scope="module")
+def router(opensearch_url, corpus_index, triton, release_store, keys, tmp_path_factory):
+    store, _ = release_store
+    settings = router_settings(opensearch_url, corpus_index, triton, store, keys[0])
+    with running_router(tmp_path_factory.mktemp("router-run"), settings) as running:
+        yield running
 
 
 def ask(router, headers, **body) -> dict:
