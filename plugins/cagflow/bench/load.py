@@ -47,6 +47,7 @@ RETRY_AFTER_CAP_S = 5.0
 MEMORY_INTERVAL_S = 5.0
 UNINTENDED_EXAMPLES = 5
 PLOT_FILE = Path("bench/soak-memory.png")
+STOP_MARGIN_S = 10.0  # beyond the clients' timeout, before a reply still missing at the end counts as a hang
 
 
 @dataclass(frozen=True)
@@ -232,13 +233,14 @@ class LoadGenerator:
         for thread in self._threads:
             thread.start()
 
-    def stop(self, grace_s: float = 150.0) -> LoadSummary:
-        """Send nothing more; wait up to ``grace_s`` for the replies in flight, then count each still missing
-        as an unintended ``hang`` (its thread is left to time out on its own)."""
+    def stop(self, grace_s: float | None = None) -> LoadSummary:
+        """Send nothing more; wait up to ``grace_s`` (default: the clients' own timeout, a little more, so a
+        reply the server still sends in time is not miscounted) for the replies in flight, then count each
+        still missing as an unintended ``hang`` (its thread is left to time out on its own)."""
         if self._started_at is None:
             raise RuntimeError("the load generator was not started")
         self._stopping.set()
-        deadline = time.monotonic() + grace_s
+        deadline = time.monotonic() + (self.timeout_s + STOP_MARGIN_S if grace_s is None else grace_s)
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:

@@ -121,6 +121,9 @@ class Handler(BaseHTTPRequestHandler):
         elif question == "hang":
             self.server.release.wait(30)
             self.close_connection = True
+        elif question == "slow":
+            self.server.release.wait(30)
+            self._send(200, json.dumps(RECORD).encode())
         elif question == "stream":
             self._stream([("token", '{"text": "Port"}'), ("answer", json.dumps(RECORD))])
         elif question == "stream refused":
@@ -135,7 +138,7 @@ class Handler(BaseHTTPRequestHandler):
             self._stream([("token", '{"text": "Port"}')], finished=False)
 
 
-CASES = {"ok", "limited", "busy", "forbidden", "proxy page", "not a record", "drop", "hang", "stream",
+CASES = {"ok", "limited", "busy", "forbidden", "proxy page", "not a record", "drop", "hang", "slow", "stream",
          "stream refused", "stream failed", "stream garbage", "stream short", "stream cut"}
 
 
@@ -277,3 +280,13 @@ def test_bench_load_command_reports_and_fails_on_an_unintended_error(api, tmp_pa
     api.default = "proxy page"
     assert main(options[:6]) == 1
     assert "unintended 500 not_json" in capsys.readouterr().out
+
+
+def test_stop_waits_as_long_as_the_clients_would_for_a_slow_reply(api):
+    generator = LoadGenerator(api.url, KEY, [{"id": "q9", "question": "slow"}], 1, timeout_s=5)
+    generator.start()
+    while not api.bodies:
+        time.sleep(0.01)
+    threading.Timer(1.0, api.release.set).start()  # the reply comes 1 s after stop, within the clients' timeout
+    summary = generator.stop()
+    assert [(o.kind, o.question_id) for o in summary.outcomes] == [("answered", "q9")]
