@@ -232,6 +232,9 @@ class RetrievalConfig(_Section):
     # words in all: every word is prefilled per request.
     update_passages: int = Field(2, ge=0, le=10)
     update_words: int = Field(25, ge=5, le=2000)
+    # Replicas of each shard of the indexes the pipeline creates: 0 on one node; 1 on a cluster, so that losing a
+    # node loses no chunk. Applies to new indexes (each re-index or model switch creates one).
+    index_replicas: int = Field(0, ge=0, le=5)
 
     @field_validator("chunk_overlap_tokens")
     @classmethod

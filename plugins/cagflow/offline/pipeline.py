@@ -106,7 +106,8 @@ def chunk_index(config: Config | None = None) -> ChunkIndex:
         scheme = "https" if str(extra.get("use_ssl", "false")).lower() == "true" else "http"
         endpoint = f"{scheme}://{connection.host}:{connection.port or 9200}"
         index = extra.get("index", index)
-    return ChunkIndex(endpoint, index, top_k=config.retrieval.top_k, timeout_s=INDEXING_TIMEOUT_S)
+    return ChunkIndex(endpoint, index, top_k=config.retrieval.top_k, timeout_s=INDEXING_TIMEOUT_S,
+                      replicas=config.retrieval.index_replicas)
 
 
 @lru_cache(maxsize=1)

@@ -327,6 +327,7 @@ class ChunkIndex:
         candidates: int = 50,
         hybrid_mode: str = "auto",
         embedder: Embedder | None = None,
+        replicas: int = 0,
     ) -> None:
         if top_k < 1 or candidates < 1:
             raise ValueError("top_k and candidates must be positive")
@@ -336,6 +337,7 @@ class ChunkIndex:
             raise ValueError("hybrid_weights are two non-negative numbers, not both zero: (BM25, k-NN)")
         self.endpoint = endpoint.rstrip("/")
         self.alias = index
+        self.replicas = replicas  # of each shard, in the indexes this creates
         self.top_k = top_k
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -446,7 +448,7 @@ class ChunkIndex:
         return name
 
     def _index_body(self) -> dict[str, Any]:
-        return index_body(self.embedder.dimension, self.embedder.model_id)
+        return index_body(self.embedder.dimension, self.embedder.model_id, replicas=self.replicas)
 
     def _meta(self, index: str) -> dict[str, Any]:
         mapping = self._call("read mapping", self._client.indices.get_mapping, index=index)
