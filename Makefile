@@ -14,7 +14,9 @@ help:
 	@echo "make test  - install and run the whole test suite (it starts its own servers on 127.0.0.1)"
 	@echo "make tools - build the container files' linters once (compose, promtool, kustomize, hadolint; ~11 min the first time)"
 	@echo "make images - build every image docker/docker-compose.yml runs, without a registry (docker/build-local.sh)"
-	@echo "make test-containers - run the compose stack with the smallest model: both DAGs, the demo, /readyz, /metrics"
+	@echo "make test-containers - run the compose stacks with the smallest model: the small stack (both DAGs, the demo,"
+	@echo "            /readyz, /metrics), then the scale-out profile (Celery workers, one killed mid-precompute; two Triton"
+	@echo "            replicas and two routers behind nginx; two OpenSearch nodes); SCALE=0 skips it, SCALE=only runs it alone"
 
 # Dependencies are reinstalled only when a requirements file changes; the project itself is
 # (re)linked every time so a venv kept outside the checkout always points at this checkout.
@@ -111,7 +113,10 @@ test-unit: install tools
 images: install tools
 	@PYTHON=$(BIN)/python bash docker/build-local.sh $(if $(REBUILD),--rebuild)
 
-# The compose stack, really run with the smallest model tier (docker/test-containers.sh): builds the missing images,
-# runs both DAGs and the demo through the containers, checks /readyz and /metrics, then removes its containers.
+# The compose stacks, really run with the smallest model tier (docker/test-containers.sh): builds the missing images,
+# runs both DAGs and the demo through the containers, checks /readyz and /metrics; then the scale-out profile (Celery
+# workers with one killed mid-precompute, two Triton replicas with one killed under load, two routers behind nginx
+# sharing keys and rate limits, two OpenSearch nodes); removes its containers. SCALE=0: the small stack only;
+# SCALE=only: the scale-out profile only.
 test-containers: install tools
 	@PYTHON=$(BIN)/python bash docker/test-containers.sh

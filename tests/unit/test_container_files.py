@@ -31,7 +31,7 @@ def _dockerfiles() -> list[Path]:
 DOCKERFILES = _dockerfiles()
 
 
-def _tool(name: str) -> Path:
+def static_tool(name: str) -> Path:
     """Where docker/static-tools.sh keeps ``name``: the script owns the versions and the cache folder."""
     path = Path(subprocess.run(["bash", str(DOCKER / "static-tools.sh"), "path", name], check=True,
                                capture_output=True, text=True).stdout.strip())
@@ -55,7 +55,7 @@ def _compose_config(env_file: Path) -> subprocess.CompletedProcess:
     if docker is None:
         pytest.fail("the docker CLI is not on PATH (the compose check needs the client only, no daemon)")
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"),
-           "DOCKER_CONFIG": str(_tool("docker-config"))}
+           "DOCKER_CONFIG": str(static_tool("docker-config"))}
     return _run([docker, "compose", "-f", "docker/docker-compose.yml", "--env-file", str(env_file), "config",
                  "--quiet"], env=env)
 
@@ -79,7 +79,7 @@ def test_there_are_dockerfiles_to_lint():
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: str(path.relative_to(REPO)))
 def test_dockerfile_passes_hadolint(dockerfile):
-    _passes(_run([str(_tool("hadolint")), "--no-color", str(dockerfile)]))
+    _passes(_run([str(static_tool("hadolint")), "--no-color", str(dockerfile)]))
 
 
 def _instructions(dockerfile: Path) -> list[str]:
@@ -111,15 +111,15 @@ def test_dependencies_install_before_the_code_is_copied():
 
 def test_prometheus_config_loads():
     """Prometheus 3's own check of prometheus.yml, which also loads the rule files it names."""
-    _passes(_run([str(_tool("promtool")), "check", "config", "--lint-fatal", str(PROMETHEUS / "prometheus.yml")]))
+    _passes(_run([str(static_tool("promtool")), "check", "config", "--lint-fatal", str(PROMETHEUS / "prometheus.yml")]))
 
 
 def test_alert_rules_load():
-    _passes(_run([str(_tool("promtool")), "check", "rules", "--lint-fatal", str(PROMETHEUS / "alerts.yml")]))
+    _passes(_run([str(static_tool("promtool")), "check", "rules", "--lint-fatal", str(PROMETHEUS / "alerts.yml")]))
 
 
 def test_alert_rules_fire_when_they_should():
-    _passes(_run([str(_tool("promtool")), "test", "rules", str(PROMETHEUS / "alerts.test.yml")]))
+    _passes(_run([str(static_tool("promtool")), "test", "rules", str(PROMETHEUS / "alerts.test.yml")]))
 
 
 def test_every_alert_has_a_firing_and_a_quiet_case():
