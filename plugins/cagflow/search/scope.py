@@ -138,9 +138,9 @@ class ScopeDetector:
         """Reload every chunk vector from OpenSearch. With ``doc_ids`` (the active release's documents)
         only their fixed chunks are cacheable, so no question is sent to a document without a snapshot.
         ``if_changed``: only when the index's generation or ``doc_ids`` differ from the last load, or that
-        load is ``FULL_RESCAN_S`` old (a periodic poll then costs one stats request instead of every vector,
-        whose parsing churns the router's memory). Returns the number of cacheable chunks loaded (None: skipped
-        as unchanged); matching uses the previous set until the new one is whole."""
+        load is ``FULL_RESCAN_S`` old (a periodic poll then costs two small requests, alias and index stats,
+        instead of every vector, whose parsing churns the router's memory). Returns the number of cacheable
+        chunks loaded (None: skipped as unchanged); matching uses the previous set until the new one is whole."""
         release = None if doc_ids is None else set(doc_ids)
         with self._refresh_lock:
             generation = self.index.generation()  # before the scan: a write during it shows at the next look
