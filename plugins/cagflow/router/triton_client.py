@@ -94,8 +94,10 @@ class TritonClient:
         except ValueError:
             payload = {"error": reply.text[:500]}
         if reply.status_code != 200:
-            raise TritonRejected(reply.status_code,
-                                 str(payload.get("error", payload) if isinstance(payload, dict) else payload))
+            message = str(payload.get("error", payload) if isinstance(payload, dict) else payload)
+            if server_failed(reply.status_code, message):
+                raise TritonUnavailable(f"Triton at {self.base} failed: {message}")
+            raise TritonRejected(reply.status_code, message)
         return payload
 
     def infer(self, model: str = ANSWER_MODEL, **values: Any) -> dict[str, Any]:
@@ -189,15 +191,22 @@ _GRPC_STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.NOT_FOUND": 404,
 
 def _stream_error(error: Exception, grpc_url: str) -> Exception:
     """A gRPC failure as the same exceptions the HTTP path raises: unreachable, or rejected with a status.
-    UNAVAILABLE without the serving side's error code is the connection failing (the server went away
-    mid-stream): the serving side always sends a code with its own refusals."""
+    UNAVAILABLE or INTERNAL without the serving side's error code is the server failing (it went away
+    mid-stream, or its stub died): the serving side always sends a code with its own refusals."""
     status = str(error.status()) if hasattr(error, "status") else ""
     message = error.message() if hasattr(error, "message") else str(error)
     if "failed to connect" in (message or "").lower() or "connection refused" in (message or "").lower():
         return TritonUnavailable(f"Triton gRPC at {grpc_url} unreachable: {message}")
-    if status == "StatusCode.UNAVAILABLE" and split_code(message or "")[0] is None:
-        return TritonUnavailable(f"Triton gRPC at {grpc_url} went away: {message}")
+    if server_failed(_GRPC_STATUS.get(status, 500), message or ""):
+        return TritonUnavailable(f"Triton gRPC at {grpc_url} failed: {message}")
     return TritonRejected(_GRPC_STATUS.get(status, 500), message or status)
+
+
+def server_failed(status: int, message: str) -> bool:
+    """A server error the serving code did not send: the replica itself failed (e.g. its Python backend
+    stub died: "Stub process ... is not healthy"; Triton restarts it). The model always prefixes its own
+    refusals with a code, so an uncoded 5xx is the replica's, and another replica can answer."""
+    return status >= 500 and split_code(message)[0] is None
 
 
 def _stream_value(result, name: str) -> Any:

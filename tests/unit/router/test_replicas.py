@@ -256,7 +256,7 @@ def test_readiness_marks_replicas_up_and_down(pool):
     assert all(replica.up for replica in pool.replicas)
 
 
-def test_a_grpc_stream_cut_by_the_server_going_away_is_a_connection_failure():
+def test_a_grpc_stream_cut_by_the_server_going_away_or_its_stub_dying_is_a_replica_failure():
     def grpc_error(status: str, message: str):
         return SimpleNamespace(status=lambda: status, message=lambda: message)
 
@@ -264,6 +264,11 @@ def test_a_grpc_stream_cut_by_the_server_going_away_is_a_connection_failure():
     assert isinstance(gone, TritonUnavailable)
     refused = _stream_error(grpc_error("StatusCode.UNAVAILABLE", "[store_unavailable] store down"), "127.0.0.1:8001")
     assert isinstance(refused, TritonRejected) and (refused.status, refused.reason) == (503, "store_unavailable")
+    stub_died = _stream_error(grpc_error("StatusCode.INTERNAL", "Stub process 'cag_llm_stream_0_0' is not healthy."),
+                              "127.0.0.1:8001")
+    assert isinstance(stub_died, TritonUnavailable)
+    failed = _stream_error(grpc_error("StatusCode.INTERNAL", "[internal] request r1: IndexError"), "127.0.0.1:8001")
+    assert isinstance(failed, TritonRejected) and (failed.status, failed.reason) == (500, "internal")
 
 
 def test_one_replica_is_always_tried_even_when_marked_down(request):
