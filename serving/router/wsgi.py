@@ -3,7 +3,5 @@
 ``$CAGFLOW_CONFIG`` and ``CAGFLOW__SECTION__KEY`` variables."""
 
 from cagflow.router import create_app
-from cagflow.router.server import prepare_worker
 
-prepare_worker()
 app = create_app()

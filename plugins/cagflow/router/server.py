@@ -81,15 +81,6 @@ def gunicorn_options(config: Config, host: str | None = None, port: int | None =
     }
 
 
-def prepare_worker() -> None:
-    """Torch gets one thread in the router process: a question is a few tokens, and more threads only
-    contend with each other (one per request thread) and with Triton for the same cores (measured on a
-    busy 2-core machine: 20 ms against 320 ms p50 to embed one question)."""
-    import torch
-
-    torch.set_num_threads(1)
-
-
 class RouterServer(BaseApplication):
     def __init__(self, config: Config, options: dict[str, Any]):
         self.config_object = config
@@ -104,7 +95,6 @@ class RouterServer(BaseApplication):
         """Runs in the worker process, so the embedder and the release poller start after the fork."""
         from .app import create_app
 
-        prepare_worker()
         return create_app(self.config_object)
 
 

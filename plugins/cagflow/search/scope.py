@@ -74,11 +74,18 @@ def _matrix(vectors: list) -> np.ndarray:
     return _unit_rows(np.asarray(vectors, dtype=np.float32).reshape(len(vectors), -1))
 
 
+def _dot(matrix: np.ndarray, vector: np.ndarray) -> np.ndarray:
+    """``matrix @ vector`` without BLAS: numpy's own loop. BLAS maps a 32 MiB buffer in every thread that
+    calls it, which the router's request threads kept for their whole life; a few thousand rows of a few
+    hundred floats take well under a millisecond either way."""
+    return np.einsum("...j,j->...", matrix, vector)
+
+
 def _best(matrix: np.ndarray, vector: np.ndarray) -> tuple[int, float]:
     """Row index and cosine similarity of the closest row, or (-1, NO_MATCH_SCORE) for no rows."""
     if not len(matrix):
         return -1, NO_MATCH_SCORE
-    similarities = matrix @ vector
+    similarities = _dot(matrix, vector)
     best = int(np.argmax(similarities))
     return best, float(similarities[best])
 
@@ -182,7 +189,7 @@ class ScopeDetector:
         row = held.other_rows.get(chunk_id)
         if row is None:
             return None
-        return float(held.others[row] @ _unit_rows(np.asarray(vector, dtype=np.float32)))
+        return float(_dot(held.others[row], _unit_rows(np.asarray(vector, dtype=np.float32))))
 
     def cite(self, doc_id: str, vector: Sequence[float] | np.ndarray) -> Citation | None:
         """The chunk of ``doc_id`` closest to ``vector`` (the embedding of question and answer together), or
