@@ -47,6 +47,7 @@ RETRY_AFTER_CAP_S = 5.0
 MEMORY_INTERVAL_S = 5.0
 UNINTENDED_EXAMPLES = 5
 PLOT_FILE = Path("bench/soak-memory.png")
+MEMORY_FIELDS = ("rss_mib", "anon_mib")  # per sample: resident, and the part no file backs
 STOP_MARGIN_S = 10.0  # beyond the clients' timeout, before a reply still missing at the end counts as a hang
 
 
@@ -317,16 +318,19 @@ def _processes(pid: int) -> list[psutil.Process]:
         return []
 
 
-def resident_mib(pid: int) -> float | None:
-    """Resident memory summed over the processes (shared pages count once per process); None when gone."""
-    total, seen = 0, False
+def resident_mib(pid: int) -> tuple[float, float] | None:
+    """Resident memory summed over the processes (shared pages count once per process), and the part of it
+    no file backs (heap, stacks, arenas: what a leak would grow); None when gone. The rest are pages of
+    mapped files, such as the embedding model's weights, read in as first used and bounded by the file."""
+    total = anonymous = 0
+    seen = False
     for process in _processes(pid):
         try:
-            total += process.memory_info().rss
-            seen = True
+            info = process.memory_info()
         except psutil.Error:
             continue  # exited while we looked
-    return total / 2**20 if seen else None
+        total, anonymous, seen = total + info.rss, anonymous + info.rss - info.shared, True
+    return (total / 2**20, anonymous / 2**20) if seen else None
 
 
 class MemorySampler:
@@ -355,19 +359,21 @@ class MemorySampler:
 
     def _sample(self) -> None:
         while True:
-            self.samples.append({"t_s": round(self.elapsed_s(), 1),
-                                 "rss_mib": {name: resident_mib(pid) for name, pid in self.pids.items()}})
+            measured = {name: resident_mib(pid) for name, pid in self.pids.items()}
+            self.samples.append({"t_s": round(self.elapsed_s(), 1), **{
+                field: {name: None if value is None else round(value[column], 2) for name, value in measured.items()}
+                for column, field in enumerate(MEMORY_FIELDS)}})
             if self._stopping.wait(self.interval_s):
                 return
 
 
-def memory_growth(samples: list[dict[str, Any]], since_s: float) -> dict[str, float | None]:
+def memory_growth(samples: list[dict[str, Any]], since_s: float, field: str = "rss_mib") -> dict[str, float | None]:
     """MiB per 10 minutes per process, a least-squares line through the samples from ``since_s`` on."""
     growth: dict[str, float | None] = {}
-    names = {name for sample in samples for name in sample["rss_mib"]}
+    names = {name for sample in samples for name in sample[field]}
     for name in sorted(names):
-        points = [(s["t_s"], s["rss_mib"][name]) for s in samples
-                  if s["t_s"] >= since_s and s["rss_mib"].get(name) is not None]
+        points = [(s["t_s"], s[field][name]) for s in samples
+                  if s["t_s"] >= since_s and s[field].get(name) is not None]
         if len({t for t, _ in points}) < 2:
             growth[name] = None
             continue
@@ -388,12 +394,14 @@ def plot_memory(samples: list[dict[str, Any]], soak_from_s: float, path: Path) -
     figure, panels = plt.subplots(len(names), 1, sharex=True, squeeze=False, figsize=(8, 1.2 + 2.2 * len(names)),
                                   dpi=100)
     for name, axes in zip(names, panels[:, 0]):
-        points = [(s["t_s"] / 60, s["rss_mib"][name]) for s in samples if s["rss_mib"].get(name) is not None]
-        axes.plot([t for t, _ in points], [mib for _, mib in points], color="tab:blue")
+        for field, label, color in (("rss_mib", "resident", "tab:blue"), ("anon_mib", "not file-backed", "tab:orange")):
+            points = [(s["t_s"] / 60, s[field][name]) for s in samples if s.get(field, {}).get(name) is not None]
+            axes.plot([t for t, _ in points], [mib for _, mib in points], color=color, label=label)
         axes.axvspan(soak_from_s / 60, samples[-1]["t_s"] / 60, color="0.92")
         axes.set_ylabel(f"{name}, MiB")
         axes.grid(True, alpha=0.3)
-    panels[0, 0].set_title("resident memory (sum over the process group); soak shaded")
+    panels[0, 0].legend(loc="center right", fontsize="small")
+    panels[0, 0].set_title("memory (sum over the process group); soak shaded")
     panels[-1, 0].set_xlabel("minutes")
     figure.tight_layout()
     figure.savefig(path)
@@ -435,6 +443,10 @@ def _print_phase(title: str, report: dict[str, Any]) -> None:
         print(f"  {count:>6}  {code}")
     for example in report["unintended_examples"]:
         print(f"  unintended: {json.dumps(example, ensure_ascii=False, default=str)[:300]}")
+
+
+def _growth(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1f}"
 
 
 def _s(value: float | None, width: int = 6) -> str:
@@ -492,17 +504,20 @@ def main(config: Config, args: argparse.Namespace) -> int:
         samples = sampler.stop()
     report["memory"] = {"interval_s": MEMORY_INTERVAL_S, "pids": pids, "samples": samples}
     if pids and samples:
-        first, last = samples[0]["rss_mib"], samples[-1]["rss_mib"]
-        print("\nresident memory, MiB: " + "; ".join(f"{name} {first.get(name) or 0:.0f} -> {last.get(name) or 0:.0f}"
-                                                      for name in pids))
+        first, last = samples[0], samples[-1]
+        print("\nmemory, MiB (resident / not file-backed): " + "; ".join(
+            f"{name} {first['rss_mib'].get(name) or 0:.0f} / {first['anon_mib'].get(name) or 0:.0f} -> "
+            f"{last['rss_mib'].get(name) or 0:.0f} / {last['anon_mib'].get(name) or 0:.0f}" for name in pids))
     if "soak" in report and pids:
         soak_from_s = report["soak"]["from_s"]
         half_s = soak_from_s + (samples[-1]["t_s"] - soak_from_s) / 2
         growth = memory_growth(samples, half_s)
+        anonymous = memory_growth(samples, half_s, "anon_mib")
         report["memory"]["growth_mib_per_10min"] = growth
+        report["memory"]["anon_growth_mib_per_10min"] = anonymous
         report["memory"]["growth_from_s"] = round(half_s, 1)
-        print("memory growth over the soak's second half, MiB per 10 min: "
-              + "; ".join(f"{name} {'-' if value is None else f'{value:+.1f}'}" for name, value in growth.items()))
+        print("memory growth over the soak's second half, MiB per 10 min (resident / not file-backed): "
+              + "; ".join(f"{name} {_growth(growth[name])} / {_growth(anonymous[name])}" for name in growth))
         if PLOT_FILE.parent.is_dir():
             print(f"plot {plot_memory(samples, soak_from_s, PLOT_FILE)}")
     saved = save_report("load", report)

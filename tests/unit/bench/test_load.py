@@ -6,6 +6,7 @@ server."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import threading
 import time
@@ -242,14 +243,32 @@ def test_many_clients_lose_and_duplicate_no_outcome(api):
     assert report["throughput_per_s"] == pytest.approx(report["answered"] / summary.wall_s, rel=0.01)
 
 
+def test_heap_and_mapped_file_pages_are_told_apart(tmp_path):
+    """A heap allocation grows both figures; reading a mapped file grows only the resident one."""
+    mapped_file = tmp_path / "weights.bin"
+    mapped_file.write_bytes(os.urandom(64 * 2**20))
+    resident, anonymous = resident_mib(os.getpid())
+    assert 0 < anonymous < resident
+    heap = bytearray(os.urandom(64 * 2**20))
+    after_heap = resident_mib(os.getpid())
+    assert after_heap[0] - resident > 48 and after_heap[1] - anonymous > 48
+    with open(mapped_file, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as weights:
+        assert sum(weights[offset] for offset in range(0, len(weights), 4096)) >= 0  # touch every page
+        after_map = resident_mib(os.getpid())
+    assert after_map[0] - after_heap[0] > 48 and abs(after_map[1] - after_heap[1]) < 8
+    del heap
+
+
 def test_memory_is_sampled_fitted_and_plotted(tmp_path):
-    assert resident_mib(os.getpid()) > 1
     sampler = MemorySampler({"tests": os.getpid()}, interval_s=0.05).start()
     time.sleep(0.2)
     samples = sampler.stop()
-    assert len(samples) >= 2 and all(sample["rss_mib"]["tests"] > 1 for sample in samples)
-    rising = [{"t_s": t, "rss_mib": {"router": 100 + t / 60, "gone": None}} for t in range(0, 600, 5)]
+    assert len(samples) >= 2
+    assert all(sample["rss_mib"]["tests"] > sample["anon_mib"]["tests"] > 1 for sample in samples)
+    rising = [{"t_s": t, "rss_mib": {"router": 100 + t / 60, "gone": None},
+               "anon_mib": {"router": 50.0, "gone": None}} for t in range(0, 600, 5)]
     assert memory_growth(rising, since_s=300) == {"gone": None, "router": 10.0}
+    assert memory_growth(rising, since_s=300, field="anon_mib") == {"gone": None, "router": 0.0}
     plot = plot_memory(rising, 120, tmp_path / "memory.png")
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert service_pids(["router=4242", "extra=7"])["router"] == 4242
