@@ -3,5 +3,7 @@
 ``$CAGFLOW_CONFIG`` and ``CAGFLOW__SECTION__KEY`` variables."""
 
 from cagflow.router import create_app
+from cagflow.router.server import limit_malloc_arenas
 
+limit_malloc_arenas()
 app = create_app()
