@@ -10,6 +10,7 @@ import itertools
 import json
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -19,6 +20,7 @@ from cagflow.core.prompt import Passage
 from cagflow.devstack.triton import DEFAULT_MODEL_REPOSITORY, LocalTriton
 from cagflow.inference.resident import load_snapshot
 from cagflow.offline.precompute import precompute_part
+from cagflow.router.triton_client import TritonClient
 from cagflow.store.backends import LocalStore
 from cagflow.store.manifests import Release, ReleaseEntry, publish_release
 from tritonclient.utils import InferenceServerException
@@ -214,6 +216,26 @@ def test_streaming_yields_the_same_tokens_as_the_plain_answer(server, tiny):
     assert final["TOKEN_IDS"] == plain["TOKEN_IDS"] and final["CACHE_HIT"] is True
     unknown = error_of(client.stream, server.grpc_url, QUESTION, "no-such-doc/1/0123456789abcdef")
     assert "is not in release" in unknown.message()
+
+
+def test_an_abandoned_stream_is_cancelled_and_leaves_no_thread_behind(server, tiny):
+    """The router's client cancels a stream nobody reads any more (the caller went away) and ends every
+    thread it started for it; tritonclient alone leaves one waiting for ever per cancelled stream."""
+    _, _, release = tiny
+    router_client = TritonClient(server.http_url, server.grpc_url, timeout_s=60, retries=0, pool_size=2)
+    before = threading.active_count()
+    for number in range(5):
+        pieces = router_client.stream(question=f"{QUESTION} ({number})", snapshot_key=release.snapshots[0].key,
+                                      max_new_tokens=64)
+        assert isinstance(next(pieces)["TEXT"], str)
+        pieces.close()  # abandoned after its first piece
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert threading.active_count() <= before
+    final = list(router_client.stream(question=QUESTION, snapshot_key=release.snapshots[0].key))[-1]
+    assert final["ANSWER"]  # the server is fine after the cancellations
+    router_client.close()
 
 
 @pytest.fixture(scope="module")

@@ -181,8 +181,20 @@ class TritonClient:
             raise _stream_error(exc, self.grpc_url) from None
         finally:
             # A timed-out or abandoned stream (the client went away) is cancelled, not waited for.
+            stream = client._stream
             client.stop_stream(cancel_requests=not finished)
+            if not finished:
+                _end_request_feed(stream)
             client.close()
+
+
+def _end_request_feed(stream) -> None:
+    """tritonclient's ``stop_stream(cancel_requests=True)`` cancels the call but leaves the thread that feeds
+    it requests waiting for one more, for ever: a thread and ~45 KB per cancelled stream (300 cancels left
+    287 threads). The ``None`` a finished stream gets ends that thread too."""
+    requests_waiting = getattr(stream, "_request_queue", None)
+    if requests_waiting is not None:
+        requests_waiting.put(None)
 
 
 _GRPC_STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.NOT_FOUND": 404, "StatusCode.UNAVAILABLE": 503,
