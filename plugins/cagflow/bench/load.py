@@ -47,7 +47,7 @@ RETRY_AFTER_CAP_S = 5.0
 MEMORY_INTERVAL_S = 5.0
 UNINTENDED_EXAMPLES = 5
 PLOT_FILE = Path("bench/soak-memory.png")
-MEMORY_FIELDS = ("rss_mib", "anon_mib")  # per sample: resident, and the part no file backs
+MEMORY_FIELDS = {"rss_mib": "resident", "anon_mib": "not file-backed"}  # per sample, in memory_mib's order
 STOP_MARGIN_S = 10.0  # beyond the clients' timeout, before a reply still missing at the end counts as a hang
 
 
@@ -318,7 +318,7 @@ def _processes(pid: int) -> list[psutil.Process]:
         return []
 
 
-def resident_mib(pid: int) -> tuple[float, float] | None:
+def memory_mib(pid: int) -> tuple[float, float] | None:
     """Resident memory summed over the processes (shared pages count once per process), and the part of it
     no file backs (heap, stacks, arenas: what a leak would grow); None when gone. The rest are pages of
     mapped files, such as the embedding model's weights, read in as first used and bounded by the file."""
@@ -359,7 +359,7 @@ class MemorySampler:
 
     def _sample(self) -> None:
         while True:
-            measured = {name: resident_mib(pid) for name, pid in self.pids.items()}
+            measured = {name: memory_mib(pid) for name, pid in self.pids.items()}
             self.samples.append({"t_s": round(self.elapsed_s(), 1), **{
                 field: {name: None if value is None else round(value[column], 2) for name, value in measured.items()}
                 for column, field in enumerate(MEMORY_FIELDS)}})
@@ -394,8 +394,8 @@ def plot_memory(samples: list[dict[str, Any]], soak_from_s: float, path: Path) -
     figure, panels = plt.subplots(len(names), 1, sharex=True, squeeze=False, figsize=(8, 1.2 + 2.2 * len(names)),
                                   dpi=100)
     for name, axes in zip(names, panels[:, 0]):
-        for field, label, color in (("rss_mib", "resident", "tab:blue"), ("anon_mib", "not file-backed", "tab:orange")):
-            points = [(s["t_s"] / 60, s[field][name]) for s in samples if s.get(field, {}).get(name) is not None]
+        for (field, label), color in zip(MEMORY_FIELDS.items(), ("tab:blue", "tab:orange")):
+            points = [(s["t_s"] / 60, s[field][name]) for s in samples if s[field].get(name) is not None]
             axes.plot([t for t, _ in points], [mib for _, mib in points], color=color, label=label)
         axes.axvspan(soak_from_s / 60, samples[-1]["t_s"] / 60, color="0.92")
         axes.set_ylabel(f"{name}, MiB")

@@ -95,7 +95,7 @@ class TritonClient:
             payload = {"error": reply.text[:500]}
         if reply.status_code != 200:
             message = str(payload.get("error", payload) if isinstance(payload, dict) else payload)
-            if server_failed(reply.status_code, message):
+            if _server_failed(reply.status_code, message):
                 raise TritonUnavailable(f"Triton at {self.base} failed: {message}")
             raise TritonRejected(reply.status_code, message)
         return payload
@@ -209,12 +209,12 @@ def _stream_error(error: Exception, grpc_url: str) -> Exception:
     message = error.message() if hasattr(error, "message") else str(error)
     if "failed to connect" in (message or "").lower() or "connection refused" in (message or "").lower():
         return TritonUnavailable(f"Triton gRPC at {grpc_url} unreachable: {message}")
-    if server_failed(_GRPC_STATUS.get(status, 500), message or ""):
+    if _server_failed(_GRPC_STATUS.get(status, 500), message or ""):
         return TritonUnavailable(f"Triton gRPC at {grpc_url} failed: {message}")
     return TritonRejected(_GRPC_STATUS.get(status, 500), message or status)
 
 
-def server_failed(status: int, message: str) -> bool:
+def _server_failed(status: int, message: str) -> bool:
     """A server error the serving code did not send: the replica itself failed (e.g. its Python backend
     stub died: "Stub process ... is not healthy"; Triton restarts it). The model always prefixes its own
     refusals with a code, so an uncoded 5xx is the replica's, and another replica can answer."""

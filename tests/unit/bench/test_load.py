@@ -247,14 +247,14 @@ def test_many_clients_lose_and_duplicate_no_outcome(api):
 # In a fresh process: a long test process reuses memory it freed before, so its figures need not move.
 HEAP_AND_MAPPED_FILE = r"""
 import mmap, os, sys
-from cagflow.bench.load import resident_mib
+from cagflow.bench.load import memory_mib
 mapped_file = sys.argv[1]
-before = resident_mib(os.getpid())
+before = memory_mib(os.getpid())
 heap = bytearray(os.urandom(64 * 2**20))
-after_heap = resident_mib(os.getpid())
+after_heap = memory_mib(os.getpid())
 with open(mapped_file, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as weights:
     sum(weights[offset] for offset in range(0, len(weights), 4096))  # touch every page
-    after_map = resident_mib(os.getpid())
+    after_map = memory_mib(os.getpid())
 print(*before, *after_heap, *after_map)
 """
 
