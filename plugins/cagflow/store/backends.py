@@ -156,10 +156,15 @@ class LocalStore(SnapshotStore):
         return path.with_name(path.name + ".sha256")
 
     @contextmanager
-    def _name_lock(self, path: Path) -> Iterator[None]:
-        with open(path.with_name(path.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    def _directory_lock(self, directory: Path) -> Iterator[None]:
+        """Serialises the writers of one directory's names; the kernel drops it when its holder dies, and it
+        leaves no file behind (a full disk keeps no lock file)."""
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
             yield
+        finally:
+            os.close(fd)
 
     def _write_temp(self, directory: Path, data: bytes) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
@@ -181,16 +186,17 @@ class LocalStore(SnapshotStore):
             tmp = self._write_temp(path.parent, data)
             try:
                 if overwrite:
-                    with self._name_lock(path):
+                    with self._directory_lock(path.parent):
                         os.replace(tmp, path)
                         self._write_sidecar(path, digest)
                 else:
-                    os.link(tmp, path)  # atomic and refuses to replace: first writer wins
-                    try:
-                        self._write_sidecar(path, digest)
-                    except OSError:
-                        path.unlink()  # no object without its checksum (a full disk, say)
-                        raise
+                    with self._directory_lock(path.parent):  # held until the checksum is written, released if killed
+                        self._link_new(tmp, path)
+                        try:
+                            self._write_sidecar(path, digest)
+                        except OSError:
+                            path.unlink()  # no object without its checksum (a full disk, say)
+                            raise
             finally:
                 tmp.unlink(missing_ok=True)
         except FileExistsError:
@@ -198,6 +204,19 @@ class LocalStore(SnapshotStore):
         except OSError as exc:
             raise StoreUnavailable(f"{self.url}: cannot write {name}: {exc.strerror}") from None
         return ObjectInfo(name, len(data), digest, path.stat().st_mtime)
+
+    def _link_new(self, tmp: Path, path: Path) -> None:
+        """Link the written bytes into place unless another writer's object is there: first writer wins.
+
+        Called under the directory's lock, so an object without its checksum here was left by a writer killed
+        between linking and writing the checksum: this write finishes in its place.
+        """
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            if self._stored_sha(path) is not None:
+                raise
+            os.replace(tmp, path)
 
     def _write_sidecar(self, path: Path, digest: str) -> None:
         tmp = self._write_temp(path.parent, digest.encode())
@@ -247,6 +266,7 @@ class LocalStore(SnapshotStore):
             return
         for path in sorted(self.root.rglob("*")):
             name = path.relative_to(self.root).as_posix()
+            # .lock: the per-name lock files that stores written by earlier versions hold
             if not path.is_file() or path.name.startswith(".tmp-") or name.endswith((".sha256", ".lock")):
                 continue
             if name.startswith(prefix):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
+import signal
 import threading
 from pathlib import Path
 
@@ -206,6 +208,34 @@ def test_two_processes_writing_one_name_have_exactly_one_winner(store: LocalStor
         process.join(timeout=60)
         assert process.exitcode == 0
     assert_one_winner_per_round(store, outcomes, writers=2)
+
+
+def put_and_die_before_the_checksum(root: str, name: str) -> None:
+    """A writer killed (SIGKILL) after its bytes are linked into place and before its checksum is written."""
+    def killed(*_args) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    LocalStore._write_sidecar = killed
+    LocalStore(root).put(name, b"the first writer's bytes")
+
+
+def test_a_writer_killed_before_its_checksum_leaves_a_name_the_next_write_completes(store: LocalStore):
+    """kill -9 between linking the bytes and writing their checksum: the rerun's write takes the name
+    (no 'exists but does not verify' forever), and a completed object still has exactly one winner."""
+    process = multiprocessing.get_context("spawn").Process(target=put_and_die_before_the_checksum,
+                                                           args=(str(store.root), "snap/a.bin"))
+    process.start()
+    process.join(timeout=60)
+    assert process.exitcode == -signal.SIGKILL
+    assert store.head("snap/a.bin").sha256 is None  # the killed writer's bytes, without a checksum
+
+    info = store.put("snap/a.bin", b"the rerun's bytes")
+    assert info.sha256 == sha256(b"the rerun's bytes")
+    assert store.get("snap/a.bin") == b"the rerun's bytes"
+    assert store.head("snap/a.bin").sha256 == info.sha256
+    with pytest.raises(AlreadyExists):
+        store.put("snap/a.bin", b"a later writer's bytes")
+    assert store.get("snap/a.bin") == b"the rerun's bytes"
 
 
 @pytest.mark.parametrize("name", ["../x", "/abs", "a/./b", "obj.sha256", "a//b", "", "dir/", "x.lock",
