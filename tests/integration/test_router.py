@@ -202,6 +202,16 @@ def test_out_of_scope_question_is_answered_by_retrieval_with_citations(router, k
     assert answer["timings_ms"]["search"] > 0
 
 
+def test_an_alarm_only_a_release_note_names_goes_to_retrieval(router, keys):
+    """The question reads like the Chinese manual's alarm section (its closest chunk), but YF-E116 is only in
+    the 3.2.0 release notes: the manual's snapshot could not answer it."""
+    answer = ask(router, keys[1], question="告警 YF-E116 表示什么？", top_k=3)
+    assert answer["route"] == "retrieval" and answer["route_reason"] == "identifier_elsewhere"
+    assert answer["cache_hit"] is False and answer["snapshot"] is None
+    passages = answer["citations"] if answer["answered"] else answer["suggestions"]
+    assert "yunfan-3-2-0-release-notes" in {passage["doc_id"] for passage in passages}
+
+
 def test_a_question_far_from_every_document_is_declined_without_the_model(router, keys):
     answer = ask(router, keys[1], question=OFF_TOPIC, top_k=2)
     assert answer["route"] == "retrieval" and answer["answered"] is False

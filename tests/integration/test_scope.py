@@ -249,3 +249,40 @@ def test_a_poll_rereads_the_vectors_only_after_the_index_changed(opensearch_url,
         assert detector.refresh(["hr-handbook"], if_changed=True) == 3
         cited = detector.cite("hr-handbook", canteen)
         assert cited.chunk_id == "leave-2" and cited.score > before + 0.05
+
+
+ALARM_CHUNKS = [
+    Chunk("alarms-1", "ops-manual", "What each alarm means: alarms E-401/E-402 mean the VPN tunnel is down or the "
+          "disk is nearly full; alarm E-403 means a sensor stopped reporting; alarm E-405 means the clock drifted.",
+          tier="fixed", version="2", title="Operations manual", section="Alarm meanings"),
+    Chunk("notes-1", "release-3-2", "Version 3.2 upgrades the bundled Kafka client, adds Chinese language packs "
+          "to the console, speeds up report exports and brings E-416 for licences that expire soon.",
+          tier="variable", version="3.2", title="Release notes 3.2", section="Changes"),
+]
+
+
+@pytest.mark.integration
+def test_an_identifier_only_another_document_holds_keeps_a_question_from_the_cache(opensearch_url, embedder):
+    """"What does alarm E-416 mean?" reads like the manual's alarm section, but only the release note
+    names E-416: the snapshot could only decline or describe a neighbouring alarm."""
+    with ChunkIndex(opensearch_url, f"it-scope-ids-{uuid.uuid4().hex[:8]}", timeout_s=30, embedder=embedder) as index:
+        index.ensure_index()
+        index.upsert(ALARM_CHUNKS)
+        detector = ScopeDetector(index, threshold=0.0)  # every question is close enough: identifiers decide
+        detector.refresh()
+        question = "What does alarm E-416 mean?"
+        vector = embedder.encode_query(question)
+        assert detector.match(vector).in_scope  # by similarity alone, the manual would answer
+        foreign = detector.match(vector, question)
+        assert foreign.elsewhere == ("e-416",) and not foreign.in_scope and foreign.doc_id == "ops-manual"
+        assert not foreign.routes_to_cache(0.0)
+        # an identifier the matched document holds (here inside a listed pair) keeps the cache route
+        held = "What does alarm E-402 mean?"
+        assert detector.match(embedder.encode_query(held), held).in_scope
+        # an identifier no document holds leaves routing to similarity; grounding declines the answer
+        unknown = "What does alarm E-499 mean?"
+        match = detector.match(embedder.encode_query(unknown), unknown)
+        assert match.elsewhere == () and match.in_scope
+        # a Chinese question names the same identifier without spaces around it
+        chinese = "告警E-416是什么意思？"
+        assert detector.match(embedder.encode_query(chinese), chinese).elsewhere == ("e-416",)

@@ -110,9 +110,9 @@ def routing_calibration(config: Config, qa_path: Path) -> dict:
         cacheable = detector.refresh()
         vectors = index.embedder.encode_queries([item.question for item in items])
         latencies, matches = [], []
-        for vector in vectors:
+        for item, vector in zip(items, vectors):
             started = time.perf_counter()
-            matches.append(detector.match(vector))
+            matches.append(detector.match(vector, item.question))
             latencies.append(time.perf_counter() - started)
     finally:
         index.close()

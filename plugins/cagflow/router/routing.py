@@ -5,8 +5,9 @@
    restricted to that document; 404 when the index holds nothing of it.
 3. Otherwise the question is embedded once and matched against the fixed documents' chunks in memory;
    a best cosine similarity of at least ``service.in_scope_threshold``, with no chunk of another document
-   closer, takes the cache route with the matching document's snapshot; anything else goes to hybrid
-   retrieval (the same vector feeds the k-NN half of the search).
+   closer, takes the cache route with the matching document's snapshot, unless the question names an
+   identifier that document lacks and another holds (``identifier_elsewhere``); anything else goes to
+   hybrid retrieval (the same vector feeds the k-NN half of the search).
 
 ``"route": "retrieval"`` in the query skips steps 1 and 3 (to compare routes, or to get passages).
 
@@ -71,7 +72,8 @@ class Plan:
     """Where one question goes, and why; ``vector`` is computed at most once per request."""
 
     route: str  # "cache" | "cache+retrieval" | "retrieval"
-    # "doc_id" | "in_scope" | "newer_update" | "out_of_scope" | "doc_not_in_release" | "requested"
+    # "doc_id" | "in_scope" | "newer_update" | "out_of_scope" | "identifier_elsewhere" | "doc_not_in_release"
+    # | "requested"
     reason: str
     doc_id: str | None  # the snapshot's document (cache) or the only document searched (retrieval)
     scope_score: float | None = None
@@ -396,10 +398,12 @@ class Router:
                 Plan("retrieval", "doc_not_in_release", query.doc_id)
         else:
             plan = Plan("retrieval", "out_of_scope", None)
-            match = self.scope.match(self._embed(plan, query.question))
+            match = self.scope.match(self._embed(plan, query.question), query.question)
             plan.scope_score = round(float(match.score), 4)
             plan.best_score = round(match.best_score, 4)
-            if match.in_scope and match.doc_id in in_release:
+            if match.elsewhere:
+                plan.reason = "identifier_elsewhere"
+            elif match.in_scope and match.doc_id in in_release:
                 plan.route, plan.reason, plan.doc_id = "cache", "in_scope", match.doc_id
             elif (match.doc_id in in_release and match.newer_other and match.score >= self.scope.threshold
                   and match.score >= match.other_score - self.config.service.update_margin

@@ -17,10 +17,17 @@ The vectors of variable documents change with every ingest: refresh the detector
 
 A closer chunk of a document published after the matched fixed one (``ScopeMatch.newer_other``) may be an
 update of it: the router then tries the cache+retrieval route rather than plain retrieval.
+
+Identifiers settle what similarity cannot: "What does alarm YF-E116 mean?" reads like any alarm question of
+the operations manual, but when the manual lists no YF-E116 and a release note does, the snapshot can only
+decline or describe a neighbouring alarm. A question naming an identifier (``cagflow.core.grounding``) that
+its matched fixed document lacks and another document holds is not routed to the cache
+(``ScopeMatch.elsewhere``): retrieval, whose BM25 half finds the identifier, answers it.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
@@ -28,6 +35,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
+from ..core.grounding import figures, identifiers
 from .retrieval import Chunk
 
 if TYPE_CHECKING:
@@ -47,6 +55,7 @@ class ScopeMatch:
     other_score: float = NO_MATCH_SCORE  # cosine similarity to the closest chunk that is not cacheable
     published: str = ""  # ISO date of the matched fixed document, when known
     other_published: str = ""  # ISO date of the closest other chunk's document, when known
+    elsewhere: tuple[str, ...] = ()  # identifiers of the question the matched document lacks and another holds
 
     @property
     def newer_other(self) -> bool:
@@ -59,7 +68,8 @@ class ScopeMatch:
         return max(self.score, self.other_score)
 
     def routes_to_cache(self, threshold: float) -> bool:
-        return self.doc_id is not None and self.score >= threshold and self.score >= self.other_score
+        return (self.doc_id is not None and self.score >= threshold and self.score >= self.other_score
+                and not self.elsewhere)
 
 
 def _unit_rows(matrix: np.ndarray) -> np.ndarray:
@@ -111,9 +121,21 @@ class _Vectors:
     others: np.ndarray
     other_chunks: list[Chunk]  # likewise for ``others``
     other_rows: dict[str, int]  # chunk_id -> row of ``others``
+    figures: dict[str, frozenset[str]]  # doc_id -> the numbers and identifiers of all its chunks
 
 
-_NO_VECTORS = _Vectors(_matrix([]), [], _matrix([]), [], {})
+_NO_VECTORS = _Vectors(_matrix([]), [], _matrix([]), [], {}, {})
+
+
+def _figures_by_document(chunks: Iterable[Chunk]) -> dict[str, frozenset[str]]:
+    """Each document's figures, with the parts of listed ones ("yf-e116/yf-e117", "8443,8883") on their own."""
+    found: dict[str, set[str]] = {}
+    for chunk in chunks:
+        held = found.setdefault(chunk.doc_id, set())
+        for figure in figures(f"{chunk.section}\n{chunk.text}"):
+            held.add(figure)
+            held.update(part.strip(".:+-_") for part in re.split(r"[/,]", figure))
+    return {doc_id: frozenset(held) for doc_id, held in found.items()}
 
 
 class ScopeDetector:
@@ -163,20 +185,23 @@ class ScopeDetector:
                     others.append(chunk.embedding)
                     other_chunks.append(replace(chunk, embedding=None))
             rows = {chunk.chunk_id: row for row, chunk in enumerate(other_chunks)}
-            self._vectors = _Vectors(_matrix(cacheable), chunks, _matrix(others), other_chunks,
-                                     rows)  # one assignment: atomic swap
+            self._vectors = _Vectors(_matrix(cacheable), chunks, _matrix(others), other_chunks, rows,
+                                     _figures_by_document([*chunks, *other_chunks]))  # one assignment: atomic swap
             self._loaded, self._loaded_at = loaded, time.monotonic()
             return len(chunks)
 
-    def match(self, vector: Sequence[float] | np.ndarray) -> ScopeMatch:
+    def match(self, vector: Sequence[float] | np.ndarray, question: str = "") -> ScopeMatch:
+        """Route by ``vector``, the question's embedding; ``question``'s identifiers, when given, keep it
+        from a document that lacks them while another document holds them."""
         held = self._vectors
-        question = _unit_rows(np.asarray(vector, dtype=np.float32))
-        best, score = _best(held.cacheable, question)
-        other, other_score = _best(held.others, question)
+        unit = _unit_rows(np.asarray(vector, dtype=np.float32))
+        best, score = _best(held.cacheable, unit)
+        other, other_score = _best(held.others, unit)
         chunk = held.cacheable_chunks[best] if best >= 0 else None
         match = ScopeMatch(doc_id=chunk.doc_id if chunk else None, score=score, in_scope=False,
                            other_score=other_score, published=chunk.published if chunk else "",
-                           other_published=held.other_chunks[other].published if other >= 0 else "")
+                           other_published=held.other_chunks[other].published if other >= 0 else "",
+                           elsewhere=_held_elsewhere(held.figures, chunk.doc_id, question) if chunk else ())
         return replace(match, in_scope=match.routes_to_cache(self.threshold))
 
     def published(self, doc_id: str) -> str:
@@ -201,6 +226,13 @@ class ScopeDetector:
         best, score = _best(held.cacheable[rows], _unit_rows(np.asarray(vector, dtype=np.float32)))
         chunk = held.cacheable_chunks[rows[best]]
         return Citation(chunk.doc_id, chunk.chunk_id, chunk.title, chunk.section, score)
+
+
+def _held_elsewhere(held: dict[str, frozenset[str]], doc_id: str, question: str) -> tuple[str, ...]:
+    """The identifiers of ``question`` that ``doc_id`` lacks and some other document holds."""
+    missing = [name for name in identifiers(question) if name not in held.get(doc_id, frozenset())]
+    return tuple(name for name in missing
+                 if any(name in others for other, others in held.items() if other != doc_id))
 
 
 # --- calibration -----------------------------------------------------------------------------------
