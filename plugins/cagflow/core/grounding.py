@@ -19,6 +19,9 @@ from dataclasses import dataclass
 _FIGURE = re.compile(r"[\w./:,+-]*\d[\w./:,+-]*", re.ASCII)
 _EDGE = ".,:/+-_"
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
+# A unit written onto its number ("12GB", "500ms", "24h") is the same quantity as "12 GB": split, so that the
+# number is the figure either way. Chinese text often writes them together, the documents often apart.
+_GLUED_UNIT = re.compile(r"(?<=\d)(?=(?:[kmgtp]i?b|[kmg]?hz|[mun]?s|min|h|[mk]?g|[mck]?m|k?w|m?v|ma)\b)", re.ASCII)
 _QUANTITY = re.compile(r"\d+(?:\.\d+)?")
 _ORDINAL = re.compile(r"(\d+)(?:st|nd|rd|th)")
 # A plain number right after one of these words names something (port 9441, code 17, 端口 9444) rather than
@@ -40,7 +43,7 @@ _DECLINE = re.compile(r"\b(?:documents?|passages?|text|manual)\s+(?:do|does)\s+n
 
 
 def _normalise(text: str) -> str:
-    return _THOUSANDS.sub("", text.lower())
+    return _GLUED_UNIT.sub(" ", _THOUSANDS.sub("", text.lower()))
 
 
 def figures(text: str) -> list[str]:

@@ -66,11 +66,14 @@ def test_identifiers_are_figures_that_name_something():
 
 def test_figures_are_lower_cased_without_edge_punctuation_or_thousands_separators():
     assert figures("See E-407, port 8443. Pack of 3,450 (v5.1.3).") == ["e-407", "8443", "3450", "v5.1.3"]
+    # a unit written onto its number is split off; identifiers that merely hold letters after digits are not
+    assert figures("12GB, 500ms, 24h, 2.4GHz, 0x0A, 10GbE, 3DES, 1st") == ["12", "500", "24", "2.4", "0x0a",
+                                                                         "10gbe", "3des", "1st"]
     assert not is_declined("The documents contain the answer: port 8443.")
 
 
 ZH_SOURCE = document_system("云帆数据网关运维手册", (
-    "网页控制台监听 9443 端口，MQTT 接入使用端口7001。告警 YF-E104 表示磁盘空间不足，告警 YF-E106 表示证书即将过期。"
+    "网页控制台监听 9443 端口，MQTT 接入使用端口7001。虚拟网关至少需要 12 GB 内存，单个文件不超过 64MB。告警 YF-E104 表示磁盘空间不足，告警 YF-E106 表示证书即将过期。"
     "本地日志保留 10 天，备份每天 02:30 执行。"))
 
 
@@ -78,6 +81,10 @@ ZH_SOURCE = document_system("云帆数据网关运维手册", (
     ("控制台使用 9443 端口。", "控制台用哪个端口？", True, ()),
     ("MQTT 使用端口7001。", "MQTT 走哪个端口？", True, ()),  # no space between a Han character and the figure
     ("日志保留10天。", "日志保留多久？", True, ()),
+    # a unit written onto its number is the same quantity as the document's "12 GB", and the other way round
+    ("虚拟机至少要分配12GB内存。", "虚拟网关最少要多少内存？", True, ()),
+    ("单个文件最大 64 MB。", "单个文件最大多少？", True, ()),
+    ("虚拟机至少要分配16GB内存。", "虚拟网关最少要多少内存？", False, ("16",)),
     ("控制台使用 8443 端口。", "控制台用哪个端口？", False, ("8443",)),
     ("YF-E105 表示磁盘空间不足。", "告警 YF-E105 代表什么？", False, ("yf-e105",)),  # a near-miss identifier
     ("端口 9444 用于管理。", "端口9444是做什么用的？", False, ("9444",)),  # a number named by 端口
