@@ -75,6 +75,7 @@ class Answer:
     snapshot_key: str | None = None
     answered: bool = True  # False: declined, or states figures its document or passages lack (core.grounding)
     unsupported: tuple[str, ...] = ()
+    no_quantity: bool = False  # declined: the question asks for an amount and the text states none
     relevance: float | None = None  # the model's P("yes") that its text answers the question (None: not asked)
     not_relevant: bool = False  # declined because that probability was below the engine's threshold
     reasked: bool = False  # the model declined, judged its text to answer after all, and was asked again
@@ -83,7 +84,7 @@ class Answer:
     def decline_reason(self) -> str | None:
         if self.not_relevant:
             return "not_in_documents"
-        return grounding.Grounding(self.answered, self.unsupported).reason
+        return grounding.Grounding(self.answered, self.unsupported, self.no_quantity).reason
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -105,7 +106,8 @@ def _source(snapshot: Snapshot | None, context: Sequence[Passage] | None) -> str
 def _grounded(text: str, source: str | None, question: str, **fields) -> Answer:
     """The answer with its grounding verdict against the text it was answered from (none: a question alone)."""
     verdict = grounding.check(text, source, question)
-    return Answer(text, **fields, answered=verdict.answered, unsupported=verdict.unsupported)
+    return Answer(text, **fields, answered=verdict.answered, unsupported=verdict.unsupported,
+                  no_quantity=verdict.no_quantity)
 
 
 @dataclass

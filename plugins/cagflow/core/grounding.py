@@ -7,6 +7,10 @@ its source (the document or passages it was answered from). A plain quantity the
 as one: "port 9441") must be in the source whether the answer repeats it or not, or the answer describes
 something the documents do not know. It is a one-sided check: an invented answer without figures passes,
 and a supported figure is never doubted.
+
+A question asking for an amount ("How many days ...?", "How much does ... cost?", "多长时间", "几年") is not
+answered by text that states no quantity besides the question's own: the model describing the neighbourhood
+of the fact ("action items are tracked weekly until they are closed") is held as not answering.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ _ORDINAL = re.compile(r"(\d+)(?:st|nd|rd|th)")
 # counts it.
 _NAMING_WORD = re.compile(r"(?:\b(?:port|code|alarm|error|id|number|version|release|ticket|incident|rule|build|model)s?"
                           r"|端口|告警|错误码|代码|编号|版本|缺陷|型号|工单)\s*$", re.IGNORECASE)
+# Questions that ask for an amount: the answer must state one.
+_ASKS_QUANTITY = re.compile(r"\bhow\s+(?:many|much|long|old|big|large|far|soon|fast|heavy)\b"
+                            r"|多少|多久|多长|多大|几[个天年次位小分秒月周条台点倍人名项级]", re.IGNORECASE)
+_HAN_NUMERAL = re.compile(r"[零一二两三四五六七八九十百千万半]")
 _NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
                  "twelve")
 _ORDINAL_WORDS = ("zeroth", "first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth",
@@ -70,17 +78,37 @@ def is_declined(answer: str) -> bool:
     return bool(_DECLINE.search(answer))
 
 
+def _quantity_words(text: str) -> set[str]:
+    words = set(re.findall(rf"\b(?:{'|'.join(_NUMBER_WORDS[1:])}|dozen|hundred|thousand|million|half|twice)\b",
+                           text.lower()))
+    return words | set(_HAN_NUMERAL.findall(text))
+
+
+def states_no_quantity(answer: str, question: str) -> bool:
+    """Whether ``question`` asks for an amount and ``answer`` states none besides the question's own figures
+    and number words."""
+    if not _ASKS_QUANTITY.search(question):
+        return False
+    given = set(figures(question))
+    return (all(figure in given for figure in figures(answer))
+            and not _quantity_words(answer) - _quantity_words(question))
+
+
 @dataclass(frozen=True)
 class Grounding:
     answered: bool
     unsupported: tuple[str, ...] = ()  # figures of the answer that its source does not contain
+    no_quantity: bool = False  # the question asks for an amount and the answer states none
 
     @property
     def reason(self) -> str | None:
-        """Why the answer counts as declined: the model said so, or it stated figures its source lacks."""
+        """Why the answer counts as declined: the model said so, it stated figures its source lacks, or it
+        gave no amount where one was asked for."""
         if self.answered:
             return None
-        return "unsupported_figures" if self.unsupported else "model_declined"
+        if self.unsupported:
+            return "unsupported_figures"
+        return "no_quantity" if self.no_quantity else "model_declined"
 
 
 def _in_source(figure: str, text: str) -> bool:
@@ -96,14 +124,16 @@ def _in_source(figure: str, text: str) -> bool:
 
 
 def check(answer: str, source: str | None, question: str = "") -> Grounding:
-    """Whether ``answer`` answers from ``source``: not a decline, every identifier the question names is in the
-    source, and every figure the answer states is in the source as a whole token (``8443`` does not match
-    inside ``18443``) or is a plain quantity given by ``question``. Without a source (a question asked alone)
-    only a decline counts."""
+    """Whether ``answer`` answers from ``source``: not a decline, an amount where the question asks for one,
+    every identifier the question names is in the source, and every figure the answer states is in the source
+    as a whole token (``8443`` does not match inside ``18443``) or is a plain quantity given by ``question``.
+    Without a source (a question asked alone) only a decline counts."""
     if is_declined(answer) or not answer.strip():
         return Grounding(False)
     if source is None:
         return Grounding(True)
+    if states_no_quantity(answer, question):
+        return Grounding(False, no_quantity=True)
     text = _normalise(source)
     named = set(identifiers(question))
     given = {figure for figure in figures(question) if _QUANTITY.fullmatch(figure) and figure not in named}

@@ -132,3 +132,29 @@ def test_chinese_keywords_match_with_or_without_spaces_and_the_language_is_read_
     assert item.language == "zh" and _item(1, True, "manual").language == "en"
     assert item.is_correct("空闲 15 分钟后退出，并记录告警 yf-e104。")
     assert not item.is_correct("空闲 150 分钟后退出，并记录告警 YF-E104。") and not item.is_correct("文档中没有相关信息。")
+
+
+@pytest.mark.parametrize(("answer", "question"), [
+    # the 1.5B model's answers to questions no sample document answers
+    ("The action items from SEV2 postmortems are tracked weekly by the Director of Site Reliability Engineering "
+     "until they are closed.", "How many days do owners have to close action items from a SEV2 postmortem?"),
+    ("The warranty can be extended to 5 years when purchased together with the appliance.",  # 5: the question's
+     "How much does it cost to extend an appliance warranty to 5 years?"),
+    ("宽限期内网关照常工作；宽限期结束后网关停止向上游转发，但仍会继续接收数据并写入本地缓存。",
+     "许可证到期以后网关还能正常工作多长时间？"),
+])
+def test_an_answer_without_the_amount_the_question_asks_for_is_declined(answer, question):
+    verdict = check(answer, SOURCE + ZH_SOURCE, question)
+    assert not verdict.answered and verdict.no_quantity and verdict.reason == "no_quantity"
+
+
+@pytest.mark.parametrize(("answer", "question"), [
+    ("Backups are kept for twelve months.", "How long are backups kept?"),  # a number word
+    ("Fix it within 30 days.", "How soon must a vulnerability with a CVSS score of 7.5 be fixed?"),
+    ("日志保留 10 天。", "日志保留多少天？"),
+    ("日志保留十天。", "日志保留几天？"),  # a Han numeral
+    ("The web console listens on port 8443.", "Which port does the web console use?"),  # no amount asked
+])
+def test_an_answer_stating_an_amount_or_to_a_question_asking_none_is_not_held_to_it(answer, question):
+    verdict = check(answer, SOURCE + ZH_SOURCE, question)
+    assert verdict.answered and not verdict.no_quantity
