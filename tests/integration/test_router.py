@@ -319,7 +319,11 @@ def test_streaming_yields_tokens_then_the_same_answer_as_without_streaming(route
     tokens = [data["text"] for event, data in events if event == "token"]
     final = events[-1]
     assert len(tokens) > 1 and final[0] == "answer"
-    assert "".join(tokens).strip() == final[1]["answer"] == plain["answer"]
+    # the stream carries the model's words; a decline decided after them (the tiny model gives no count where
+    # "how many" asks for one, or figures its text lacks) replaces only the final answer, keeping the words
+    streamed = final[1]["model_answer"] if not final[1]["answered"] else final[1]["answer"]
+    assert "".join(tokens).strip() == streamed and final[1]["answer"] == plain["answer"]
+    assert final[1]["answered"] == plain["answered"] and final[1].get("model_answer") == plain.get("model_answer")
     assert final[1]["route"] == plain["route"] == "cache+retrieval" and final[1]["cache_hit"] is True
     assert final[1]["snapshot"] == plain["snapshot"] and final[1]["citations"] == plain["citations"]
 
