@@ -38,6 +38,7 @@ _ASKS_QUANTITY = re.compile(r"\bhow\s+(?:many|much|long|old|big|large|far|soon|f
 _HAN_NUMERAL = re.compile(r"[零一二两三四五六七八九十百千万半]")
 _NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
                  "twelve")
+_QUANTITY_WORD = re.compile(rf"\b(?:{'|'.join(_NUMBER_WORDS[1:])}|dozen|hundred|thousand|million|half|twice)\b")
 _ORDINAL_WORDS = ("zeroth", "first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth",
                   "tenth", "eleventh", "twelfth")
 _DECLINE = re.compile(r"\b(?:documents?|passages?|text|manual)\s+(?:do|does)\s+not\s+"
@@ -60,6 +61,16 @@ def figures(text: str) -> list[str]:
     return [figure for figure in found if any(char.isdigit() for char in figure)]
 
 
+def listed_figures(text: str) -> set[str]:
+    """The figures of ``text``, with the parts of listed ones ("yf-e116/yf-e117", "8443,8883") also on their
+    own: what a question's identifier is looked up in, as a set."""
+    found = set()
+    for figure in figures(text):
+        found.add(figure)
+        found.update(part.strip(_EDGE) for part in re.split(r"[/,]", figure))
+    return found
+
+
 def identifiers(question: str) -> list[str]:
     """The figures of a question that name something: any figure but a plain quantity, and a plain number
     right after a naming word ("port 9441")."""
@@ -79,9 +90,7 @@ def is_declined(answer: str) -> bool:
 
 
 def _quantity_words(text: str) -> set[str]:
-    words = set(re.findall(rf"\b(?:{'|'.join(_NUMBER_WORDS[1:])}|dozen|hundred|thousand|million|half|twice)\b",
-                           text.lower()))
-    return words | set(_HAN_NUMERAL.findall(text))
+    return set(_QUANTITY_WORD.findall(text.lower())) | set(_HAN_NUMERAL.findall(text))
 
 
 def states_no_quantity(answer: str, question: str) -> bool:

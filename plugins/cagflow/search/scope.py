@@ -27,7 +27,6 @@ its matched fixed document lacks and another document holds is not routed to the
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
-from ..core.grounding import figures, identifiers
+from ..core.grounding import identifiers, listed_figures
 from .retrieval import Chunk
 
 if TYPE_CHECKING:
@@ -128,13 +127,10 @@ _NO_VECTORS = _Vectors(_matrix([]), [], _matrix([]), [], {}, {})
 
 
 def _figures_by_document(chunks: Iterable[Chunk]) -> dict[str, frozenset[str]]:
-    """Each document's figures, with the parts of listed ones ("yf-e116/yf-e117", "8443,8883") on their own."""
+    """Each document's figures (``cagflow.core.grounding.listed_figures`` of its chunks)."""
     found: dict[str, set[str]] = {}
     for chunk in chunks:
-        held = found.setdefault(chunk.doc_id, set())
-        for figure in figures(f"{chunk.section}\n{chunk.text}"):
-            held.add(figure)
-            held.update(part.strip(".:+-_") for part in re.split(r"[/,]", figure))
+        found.setdefault(chunk.doc_id, set()).update(listed_figures(f"{chunk.section}\n{chunk.text}"))
     return {doc_id: frozenset(held) for doc_id, held in found.items()}
 
 

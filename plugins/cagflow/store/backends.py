@@ -185,12 +185,11 @@ class LocalStore(SnapshotStore):
             digest = hashlib.sha256(data).hexdigest()
             tmp = self._write_temp(path.parent, data)
             try:
-                if overwrite:
-                    with self._directory_lock(path.parent):
+                with self._directory_lock(path.parent):  # held until the checksum is written, released if killed
+                    if overwrite:
                         os.replace(tmp, path)
                         self._write_sidecar(path, digest)
-                else:
-                    with self._directory_lock(path.parent):  # held until the checksum is written, released if killed
+                    else:
                         self._link_new(tmp, path)
                         try:
                             self._write_sidecar(path, digest)

@@ -2,7 +2,7 @@
 identifiers that do not exist, declines in the model's own words) and on answers that are right."""
 
 import pytest
-from cagflow.core.grounding import check, figures, identifiers, is_declined
+from cagflow.core.grounding import check, figures, identifiers, is_declined, listed_figures
 from cagflow.core.prompt import DECLINED_ANSWER, document_system
 from cagflow.core.qa import QAItem, halves
 
@@ -69,6 +69,9 @@ def test_figures_are_lower_cased_without_edge_punctuation_or_thousands_separator
     # a unit written onto its number is split off; identifiers that merely hold letters after digits are not
     assert figures("12GB, 500ms, 24h, 2.4GHz, 0x0A, 10GbE, 3DES, 1st") == ["12", "500", "24", "2.4", "0x0a",
                                                                          "10gbe", "3des", "1st"]
+    # a listed figure also holds its parts, so a question's identifier is found in it
+    assert listed_figures("Alarms E-401/E-402; ports 8443,8883.") == {"e-401/e-402", "e-401", "e-402",
+                                                                     "8443,8883", "8443", "8883"}
     assert not is_declined("The documents contain the answer: port 8443.")
 
 
