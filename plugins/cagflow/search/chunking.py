@@ -14,24 +14,13 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from ..core.documents import ParsedDocument
+from ..core.text import sentence_spans
 from ..errors import CagflowError
 
 TokenCounter = Callable[[Sequence[str]], list[int]]
 
-_LINE = re.compile(r"[^\n]+")
-# A sentence ends at ". ! ?" and a space, or at Chinese full-width "。！？；" (and a closing quote or bracket
-# after it), where no space follows.
-_SENTENCE_GAP = re.compile(r"(?:(?<=[.!?])\s+|(?<=[。！？；])(?![”’」』）])\s*|(?<=[。！？；][”’」』）])\s*)(?=\S)")
 # A word, or in Chinese (no spaces) a clause up to its full-width comma, enumeration comma or colon.
 _WORD = re.compile(r"[^\s，、：]+[，、：]?|[，、：]")
-_HAN = re.compile(r"[\u4e00-\u9fff]")
-_LATIN_WORD = re.compile(r"[^\s\u3000-\u303f\u4e00-\u9fff\uff00-\uffef]+")  # not Han, not CJK punctuation
-
-
-def word_count(text: str) -> int:
-    """Words in ``text``: Latin words, and for Chinese (written without spaces) one per two Han characters,
-    the length of a typical Chinese word."""
-    return len(_LATIN_WORD.findall(text)) + (len(_HAN.findall(text)) + 1) // 2
 
 
 class ChunkingError(CagflowError, ValueError):
@@ -69,33 +58,6 @@ def embedding_token_counter() -> TokenCounter:
     from .embeddings import get_embedder
 
     return get_embedder().count_tokens
-
-
-def _sentence_spans(text: str) -> list[tuple[int, int]]:
-    """(start, end) of every sentence, or line where lines carry no sentence punctuation (lists, tables)."""
-    spans = []
-    for line in _LINE.finditer(text):
-        start = line.start()
-        for gap in _SENTENCE_GAP.finditer(text, line.start(), line.end()):
-            spans.append((start, gap.start()))
-            start = gap.end()
-        spans.append((start, line.end()))
-    return [(start, end) for start, end in spans if text[start:end].strip()]
-
-
-def sentences(text: str, min_words: int = 1) -> list[str]:
-    """The sentences of ``text`` (lines, where lines carry no sentence punctuation), stripped; a sentence of
-    fewer than ``min_words`` words (a bold lead-in such as "**Longer-lived codes.**") is joined to the next
-    one on its line."""
-    found: list[str] = []
-    short_end = -1  # end offset of a pending short sentence, or -1
-    for start, end in _sentence_spans(text):
-        if short_end >= 0 and "\n" not in text[short_end:start]:
-            found[-1] = f"{found[-1]} {text[start:end].strip()}"
-        else:
-            found.append(text[start:end].strip())
-        short_end = end if word_count(found[-1]) < min_words else -1
-    return found
 
 
 def _split_oversized(text: str, span: tuple[int, int], count: TokenCounter, max_tokens: int) -> list[tuple[int, int]]:
@@ -151,7 +113,7 @@ def chunk_document(doc_id: str, version: str, tier: str, document: ParsedDocumen
         raise ChunkingError(f"need 0 <= overlap ({overlap_tokens}) < chunk size ({max_tokens}) tokens")
     texts: list[tuple[str, str]] = []
     for section in document.sections:
-        spans = _sentence_spans(section.text)
+        spans = sentence_spans(section.text)
         if not spans:
             continue
         counts = count([section.text[s:e] for s, e in spans])

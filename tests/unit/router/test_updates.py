@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from cagflow.core.qa import QAItem
 from cagflow.router.routing import excerpts
-from cagflow.search.chunking import word_count
+from cagflow.core.text import word_count
 from cagflow.search.retrieval import SearchHit
 from cagflow.store.manifests import CorpusManifest, ManifestError
 
