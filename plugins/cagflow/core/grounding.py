@@ -8,15 +8,23 @@ as one: "port 9441") must be in the source whether the answer repeats it or not,
 something the documents do not know. It is a one-sided check: an invented answer without figures passes,
 and a supported figure is never doubted.
 
-A question asking for an amount ("How many days ...?", "How much does ... cost?", "多长时间", "几年") is not
-answered by text that states no quantity besides the question's own: the model describing the neighbourhood
-of the fact ("action items are tracked weekly until they are closed") is held as not answering.
+A number with a unit is one figure: "60 seconds" is unsupported by a document that says "60 minutes"
+wherever it writes 60. Three checks catch the model answering next to the question, each on a question that
+says what kind of answer it wants:
+- an amount asked ("How many days ...?", "How much does ... cost?", "多长时间", "几年") and none stated besides
+  the question's own ("action items are tracked weekly until they are closed"): ``no_quantity``;
+- an amount asked and every figure stated found in the source only in sentences that share no word with the
+  question ("How many employees?" answered from "at most 10 Administrator accounts"): ``off_topic_figures``;
+- "Which ...?" (or the name, fingerprint, address ... of something) asked and nothing named that the question
+  did not already name ("The chat application is the chat system."): ``no_name``.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from .text import sentences
 
 # A run of (ASCII) word characters and joiners holding at least one digit: 8443, E-407, 192.168.77.1/24, 5.1.3,
 # 3,450. ASCII only, so that in Chinese, where no space separates words, "端口9443" holds the figure "9443".
@@ -39,6 +47,40 @@ _HAN_NUMERAL = re.compile(r"[零一二两三四五六七八九十百千万半]")
 _NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
                  "twelve")
 _QUANTITY_WORD = re.compile(rf"\b(?:{'|'.join(_NUMBER_WORDS[1:])}|dozen|hundred|thousand|million|half|twice)\b")
+# Units a number is read with, by the canonical name they are compared under. "月" and "日" alone are parts
+# of a date (3月18日), not durations; dates are taken out before units are read.
+_UNITS = {
+    "second": r"seconds?|secs?|s|秒钟?",
+    "millisecond": r"milliseconds?|ms|毫秒",
+    "minute": r"minutes?|mins?|分钟",
+    "hour": r"hours?|hrs?|h|个?小时",
+    "day": r"(?:business |working |calendar )?days?|个?工作日|天",
+    "week": r"weeks?|个?(?:周|星期)",
+    "month": r"months?|个月",
+    "year": r"years?|yrs?|年",
+    "percent": r"%|percent|per cent",
+    "kb": r"kb|kib", "mb": r"mb|mib", "gb": r"gb|gib", "tb": r"tb|tib",
+    # Chinese counts things with a measure word: "240 条事件" is not the manual's "240 小时". Any measure word
+    # counts as the same unit (5 台 and 5 个 gateways); after the longer units above (个月, 个小时).
+    "count": r"[个条次台名位项份家款人]",
+}
+_AMOUNT = rf"(\d+(?:\.\d+)?|{'|'.join(_NUMBER_WORDS)})"
+_WITH_UNIT = re.compile(rf"(?<![\w.]){_AMOUNT}((?:\s*(?:-|–|~|to|and|or|至|到|或)\s*{_AMOUNT})*)[\s-]*"
+                        rf"(?:{'|'.join(f'(?P<{name}>{spelling})' for name, spelling in _UNITS.items())})(?![a-z])")
+_DATE = re.compile(r"\d{4}\s*年\s*\d{1,2}\s*月(?:\s*\d{1,2}\s*[日号])?|\d{1,2}\s*月\s*\d{1,2}\s*[日号]")
+# "Which ...?", or the name of something: the answer must name something.
+_ASKS_NAME = re.compile(r"^\s*(?:which\b|what(?:'s|\s+is|\s+are|\s+was)?\s+the\s+"
+                        r"(?:names?|fingerprint|e-?mail|address|url|hostname|path|command|serial)\b)", re.IGNORECASE)
+_TERM = re.compile(r"`[^`]+`|\"[^\"]+\"|“[^”]+”|/?\w[\w@./:+-]*")
+# Capitalised at the start of a sentence, these name nothing.
+_OPENERS = frozenset("the a an it its this that these those they there yes no you your we our in on for to if when "
+                     "use each every all both".split())
+# Words that carry no topic: a question's sentence in the source must share one of the others.
+_FUNCTION_WORDS = frozenset("""a an the of to in on for at by with from and or is are was were be been being do does
+did have has had how many much long old big large far soon fast heavy what which who whom whose when where why can
+could must may might should would will shall it its this that these those there their our your my we you they he she
+them us me not no any all each every per after before than then about into over under up down out off if as so such
+more most less least very also only just same other another get gets got use used using uses""".split())
 _ORDINAL_WORDS = ("zeroth", "first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth",
                   "tenth", "eleventh", "twelfth")
 _DECLINE = re.compile(r"\b(?:documents?|passages?|text|manual)\s+(?:do|does)\s+not\s+"
@@ -103,21 +145,94 @@ def states_no_quantity(answer: str, question: str) -> bool:
             and not _quantity_words(answer) - _quantity_words(question))
 
 
+def _amounts_with_units(text: str) -> list[tuple[str, str, str]]:
+    """(number, canonical unit, as written) for each number written with a unit in ``text`` (normalised);
+    every number of a range ("5 to 10 seconds") takes the range's unit."""
+    found = []
+    for match in _WITH_UNIT.finditer(_DATE.sub(" ", text)):
+        unit = next(name for name in _UNITS if match.group(name))
+        for amount in (match.group(1), *re.findall(_AMOUNT, match.group(2))):
+            number = str(_NUMBER_WORDS.index(amount)) if amount in _NUMBER_WORDS else amount
+            found.append((number, unit, match.group(0).strip()))
+    return found
+
+
+def _wrong_units(answer: str, text: str, question: str) -> list[str]:
+    """Amounts of ``answer`` (all three normalised) that ``question`` does not give and whose number ``text``
+    writes, every time, with another unit."""
+    given = {(number, unit) for number, unit, _ in _amounts_with_units(question)}
+    stated = [amount for amount in _amounts_with_units(answer) if amount[:2] not in given]
+    if not stated:  # most answers: the source is not scanned
+        return []
+    undated = _DATE.sub(" ", text)
+    written = _amounts_with_units(undated)
+    wrong = []
+    for number, unit, as_written in stated:
+        units = {other for found, other, _ in written if found == number}
+        occurrences = len(re.findall(rf"(?<![\w.]){re.escape(number)}(?![\w]|\.\d)", undated))
+        if units and unit not in units and occurrences <= sum(found == number for found, _, _ in written):
+            wrong.append(as_written)
+    return wrong
+
+
+def _topic(text: str) -> set[str]:
+    """The words of ``text`` that carry its topic: English words by their first five letters (employee,
+    employees), Chinese as character pairs."""
+    words = {word[:5] for word in re.findall(r"[a-z][a-z0-9'-]+", text.lower())
+             if len(word) >= 3 and word not in _FUNCTION_WORDS}
+    han = "".join(re.findall(r"[\u4e00-\u9fff]+", text))
+    return words | {han[i:i + 2] for i in range(len(han) - 1)}
+
+
+def figures_off_topic(answer: str, source: str, question: str) -> bool:
+    """Whether ``question`` asks for an amount and every figure of ``answer`` that the source holds stands
+    there only in sentences sharing no topic word with the question: the nearest number, not the answer."""
+    if not _ASKS_QUANTITY.search(question):
+        return False
+    given = set(figures(question))
+    stated = [figure for figure in figures(answer) if figure not in given]
+    if not stated:
+        return False
+    topic = _topic(question)
+    normalised = [(sentence, _normalise(sentence)) for sentence in sentences(source)]
+    located = False
+    for figure in stated:
+        holding = [sentence for sentence, text in normalised if _in_source(figure, text)]
+        if any(_topic(sentence) & topic for sentence in holding):
+            return False
+        located = located or bool(holding)
+    return located
+
+
+def names_nothing(answer: str, question: str) -> bool:
+    """Whether ``question`` asks which thing (or its name) and ``answer`` names nothing the question did not:
+    no figure, capitalised word, quoted or code-like term of its own."""
+    if not _ASKS_NAME.search(question):
+        return False
+    asked = {term.lower().strip(".,:;?") for term in _TERM.findall(question)}
+    for term in _TERM.findall(answer):
+        term = term.strip(".,:;")
+        specific = (term[:1] in "`\"“" or re.search(r"[\d@/_A-Z]|\w\.\w", term)) and term.lower() not in _OPENERS
+        if specific and term.lower() not in asked:
+            return False
+    return True
+
+
 @dataclass(frozen=True)
 class Grounding:
     answered: bool
     unsupported: tuple[str, ...] = ()  # figures of the answer that its source does not contain
-    no_quantity: bool = False  # the question asks for an amount and the answer states none
+    misses: str | None = None  # the answer states no answer to the question: no_quantity, off_topic_figures, no_name
 
     @property
     def reason(self) -> str | None:
         """Why the answer counts as declined: the model said so, it stated figures its source lacks, or it
-        gave no amount where one was asked for."""
+        answered next to the question."""
         if self.answered:
             return None
         if self.unsupported:
             return "unsupported_figures"
-        return "no_quantity" if self.no_quantity else "model_declined"
+        return self.misses or "model_declined"
 
 
 def _in_source(figure: str, text: str) -> bool:
@@ -133,20 +248,28 @@ def _in_source(figure: str, text: str) -> bool:
 
 
 def check(answer: str, source: str | None, question: str = "") -> Grounding:
-    """Whether ``answer`` answers from ``source``: not a decline, an amount where the question asks for one,
-    every identifier the question names is in the source, and every figure the answer states is in the source
-    as a whole token (``8443`` does not match inside ``18443``) or is a plain quantity given by ``question``.
-    Without a source (a question asked alone) only a decline counts."""
+    """Whether ``answer`` answers from ``source``: not a decline, every identifier the question names is in
+    the source, every figure the answer states is in the source as a whole token (``8443`` does not match
+    inside ``18443``) or is a plain quantity given by ``question``, with the unit the source writes it with,
+    and the answer is of the kind the question asks for (module docstring). Without a source (a question
+    asked alone) only a decline counts."""
     if is_declined(answer) or not answer.strip():
         return Grounding(False)
     if source is None:
         return Grounding(True)
     if states_no_quantity(answer, question):
-        return Grounding(False, no_quantity=True)
+        return Grounding(False, misses="no_quantity")
     text = _normalise(source)
     named = set(identifiers(question))
     given = {figure for figure in figures(question) if _QUANTITY.fullmatch(figure) and figure not in named}
     stated = [*named, *(figure for figure in figures(answer) if figure not in given)]
-    missing = tuple(dict.fromkeys(figure for figure in stated if not _in_source(figure, text)))
-    return Grounding(not missing, missing)
+    missing = tuple(dict.fromkeys([*(figure for figure in stated if not _in_source(figure, text)),
+                                   *_wrong_units(_normalise(answer), text, _normalise(question))]))
+    if missing:
+        return Grounding(False, missing)
+    if figures_off_topic(answer, source, question):
+        return Grounding(False, misses="off_topic_figures")
+    if names_nothing(answer, question):
+        return Grounding(False, misses="no_name")
+    return Grounding(True)
 

@@ -36,7 +36,7 @@ ANSWER_SOURCES = Counter("cagflow_router_answer_source_total", "Triton's ANSWER_
                          ["source"])
 DECLINED = Counter("cagflow_router_declined_total", "answers declined: no_relevant_passage (below "
                    "service.answerable_threshold), model_declined, unsupported_figures, no_quantity, "
-                   "not_in_documents", ["reason"])
+                   "off_topic_figures, no_name, not_in_documents", ["reason"])
 ERRORS = Counter("cagflow_router_errors_total", "error responses by error code", ["code"])
 BACKEND_SECONDS = Histogram("cagflow_router_backend_seconds",
                             "calls to dependencies: triton, triton_stream_first_piece, opensearch, embedding, store",

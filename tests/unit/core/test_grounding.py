@@ -24,7 +24,7 @@ SOURCE = document_system("Skerry Gateway Administrator Manual", (
     "A CVSS score of 7.5 is High: fix it within 30 days.",  # 7.5 is the question's own quantity
 ])
 def test_answers_whose_figures_are_in_the_source_are_answered(answer):
-    verdict = check(answer, SOURCE, "How soon must a vulnerability with a CVSS score of 7.5 be fixed?")
+    verdict = check(answer, SOURCE, "What do I need to know about a CVSS score of 7.5?")
     assert verdict.answered and verdict.unsupported == () and verdict.reason is None
 
 
@@ -148,7 +148,7 @@ def test_chinese_keywords_match_with_or_without_spaces_and_the_language_is_read_
 ])
 def test_an_answer_without_the_amount_the_question_asks_for_is_declined(answer, question):
     verdict = check(answer, SOURCE + ZH_SOURCE, question)
-    assert not verdict.answered and verdict.no_quantity and verdict.reason == "no_quantity"
+    assert not verdict.answered and verdict.misses == verdict.reason == "no_quantity"
 
 
 @pytest.mark.parametrize(("answer", "question"), [
@@ -160,4 +160,87 @@ def test_an_answer_without_the_amount_the_question_asks_for_is_declined(answer, 
 ])
 def test_an_answer_stating_an_amount_or_to_a_question_asking_none_is_not_held_to_it(answer, question):
     verdict = check(answer, SOURCE + ZH_SOURCE, question)
-    assert verdict.answered and not verdict.no_quantity
+    assert verdict.answered and verdict.misses is None
+
+
+POLICY = document_system("Security and Access Policy", (
+    "Each customer organisation in Skerry Cloud may have at most 10 Administrator accounts. Laptops must be locked "
+    "whenever they are left unattended, and screens lock automatically after 5 minutes of inactivity. Enrollment "
+    "codes are single-use and expire after 60 minutes. The webhook timeout has been raised from 5 to 10 seconds. "
+    "Any engineer can declare an incident by typing `/incident declare` in the chat system. Foghorn pages the "
+    "on-call engineer. Vulnerability reports can be encrypted with our PGP key, published on our website."))
+
+
+@pytest.mark.parametrize(("answer", "question", "source", "unsupported"), [
+    # the 1.5B model's answer: the manual's 60 is minutes, wherever it writes 60
+    ("The gateway's built-in MQTT broker uses a default keepalive interval of 60 seconds.",
+     "What keepalive interval does the gateway's built-in MQTT broker use by default?", POLICY, ("60 seconds",)),
+    ("Screens lock after sixty minutes, or 5 hours.", "When do screens lock?", POLICY, ("5 hours",)),
+    ("网关保留日志 10 小时。", "日志保留多久？", ZH_SOURCE, ("10 小时",)),
+    # the 1.5B model's answer: 240 is the manual's hours of buffering, not a count of events
+    ("默认情况下，单个数据源每秒最多能接收 240 条事件。", "默认情况下，单个数据源每秒最多能接收多少条事件？",
+     ZH_SOURCE + "本地缓存最多保存 240 小时的数据。每个数据源默认每秒最多接收 120 条事件。", ("240 条",)),
+])
+def test_a_number_with_another_unit_than_the_source_gives_it_is_unsupported(answer, question, source, unsupported):
+    verdict = check(answer, source, question)
+    assert not verdict.answered and verdict.unsupported == unsupported and verdict.reason == "unsupported_figures"
+
+
+@pytest.mark.parametrize(("answer", "question"), [
+    ("Enrollment codes expire after 60 minutes.", "When do enrollment codes expire?"),
+    ("Codes expire after one hour, that is 60 min.", "When do enrollment codes expire?"),
+    ("The old timeout was 5 seconds.", "What was the webhook timeout before?"),  # a range gives both its unit
+    ("Each organisation may have at most 10 Administrator accounts.", "How many administrators may we have?"),
+    ("自3月10日起，日志保留10天。", "日志保留多久？"),  # a date is not an amount of days or months
+    ("The webhook timeout is 10.", "What is the webhook timeout?"),  # a bare number claims no unit
+    ("Screens lock after 10 minutes.", "When do screens lock?"),  # 10 is also written without a unit there
+    ("集群最多 3 个节点。", "集群最多几台网关？"),  # any measure word counts: 3 个 is the source's 3 台
+    ("Yes, screens may lock after 5 hours.", "Can screens lock after 5 hours?"),  # the question's own amount
+])
+def test_numbers_with_the_sources_unit_or_none_pass(answer, question):
+    source = POLICY + ZH_SOURCE + "新规定自3月10日起执行。集群由 3 台网关组成。"
+    assert check(answer, source, question).reason != "unsupported_figures"
+
+
+@pytest.mark.parametrize(("answer", "question"), [
+    ("Harrowgate has at most 10 Administrator accounts.", "How many employees does Harrowgate have?"),
+    ("Laptops must be locked whenever they are left unattended, and screens lock automatically after 5 minutes of "
+     "inactivity.", "How long are visitor sign-in records from Harrowgate offices kept?"),
+])
+def test_an_amount_taken_from_a_sentence_about_something_else_is_declined(answer, question):
+    verdict = check(answer, POLICY, question)
+    assert not verdict.answered and verdict.misses == verdict.reason == "off_topic_figures"
+
+
+@pytest.mark.parametrize(("answer", "question"), [
+    ("At most 10 Administrator accounts.", "How many administrator accounts can an organisation have?"),
+    ("After 5 minutes.", "How long until an unattended laptop's screen locks?"),
+    # one figure on topic is enough: the other comes from a sentence about something else
+    ("Screens lock after 5 minutes; at most 10 Administrator accounts.", "How long until screens lock?"),
+    ("At most 10 Administrator accounts.", "Which accounts are limited?"),  # no amount asked
+])
+def test_an_amount_from_a_sentence_on_the_questions_topic_is_answered(answer, question):
+    assert check(answer, POLICY, question).answered
+
+
+@pytest.mark.parametrize(("answer", "question"), [
+    ("The chat application is the chat system.", "Which chat application do engineers type /incident declare into?"),
+    ("Harrowgate recommends time-based one-time passwords (TOTP) from an authenticator app.",
+     "Which authenticator app does Harrowgate recommend for TOTP codes?"),
+    ("The PGP key used to encrypt vulnerability reports is published on our website.",
+     "What is the fingerprint of the PGP key used to encrypt vulnerability reports?"),
+])
+def test_an_answer_naming_nothing_to_a_which_question_is_declined(answer, question):
+    verdict = check(answer, POLICY, question)
+    assert not verdict.answered and verdict.misses == verdict.reason == "no_name"
+
+
+@pytest.mark.parametrize(("answer", "question"), [
+    ("Foghorn", "Which paging system sends the pages?"),  # a name, even as the whole answer
+    ("Type `/incident declare`.", "Which command declares an incident?"),  # a code term
+    ("In the chat system, with /incident declare.", "Which tool is an incident declared in?"),
+    ("Port 8443.", "Which port does the web console use?"),  # a figure
+    ("It is published on our website.", "Where is the PGP key published?"),  # not a which question
+])
+def test_an_answer_that_names_something_answers_a_which_question(answer, question):
+    assert check(answer, POLICY + SOURCE, question).answered
