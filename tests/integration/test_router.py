@@ -1,6 +1,6 @@
 """The REST router as deployed (gunicorn via ``run_server``, in its own process) in front of a real Triton
 (tiny model, a release of the sample corpus's fixed documents) and a real OpenSearch holding the sample
-corpus's chunks. Scope scores come from the real MiniLM embedder over those chunks."""
+corpus's chunks. Scope scores come from the real e5 embedder over those chunks."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from cagflow.devstack.triton import LocalTriton
 from cagflow.offline import pipeline
 from cagflow.router import create_app
 from cagflow.router.apikeys import ApiKeyStore
+from cagflow.search.retrieval import ChunkIndex
+from cagflow.search.scope import ScopeDetector
 from cagflow.store.backends import LocalStore
 
 pytestmark = pytest.mark.integration
@@ -210,6 +212,27 @@ def test_an_alarm_only_a_release_note_names_goes_to_retrieval(router, keys):
     assert answer["cache_hit"] is False and answer["snapshot"] is None
     passages = answer["citations"] if answer["answered"] else answer["suggestions"]
     assert "yunfan-3-2-0-release-notes" in {passage["doc_id"] for passage in passages}
+
+
+def test_a_near_tie_of_two_fixed_documents_goes_to_the_one_hybrid_search_ranks_first(router, keys, release_store,
+                                                                                     opensearch_url, corpus_index):
+    """The closest chunk to this question is the security policy's; hybrid search (BM25 + the same vector)
+    ranks the support FAQ, which speaks of moving an organisation to another region, first, and it is in scope
+    too: its snapshot answers. (The same settles the Chinese manual against the data-security policy for
+    "单个数据源每秒最多能接收多少条事件？", where e5 scores the policy's chunk on incidents, 事件, 0.888 and the
+    manual's 0.883.)"""
+    _, release = release_store
+    question = "How much does Harrowgate charge to move an organisation to a different Skerry Cloud region?"
+    index = ChunkIndex(opensearch_url, corpus_index)
+    detector = ScopeDetector(index, 0.83)
+    detector.refresh(release.doc_ids)
+    vector = index.embedder.encode_query(question)
+    closest = detector.match(vector, question)
+    ranked = index.search(question, vector=vector, top_k=1, tier="fixed")[0].doc_id
+    assert closest.in_scope and (closest.doc_id, ranked) == ("security-access-policy", "support-faq")
+    answer = ask(router, keys[1], question=question, route="cache")
+    assert answer["route"] == "cache" and answer["route_reason"] == "in_scope"
+    assert answer["snapshot"]["doc_id"] == "support-faq" and answer["scope_score"] < round(closest.score, 4)
 
 
 def test_a_question_far_from_every_document_is_declined_without_the_model(router, keys):

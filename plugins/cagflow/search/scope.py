@@ -186,14 +186,14 @@ class ScopeDetector:
             self._loaded, self._loaded_at = loaded, time.monotonic()
             return len(chunks)
 
-    def match(self, vector: Sequence[float] | np.ndarray, question: str = "") -> ScopeMatch:
+    def match(self, vector: Sequence[float] | np.ndarray, question: str = "", doc_id: str | None = None) -> ScopeMatch:
         """Route by ``vector``, the question's embedding; ``question``'s identifiers, when given, keep it
-        from a document that lacks them while another document holds them."""
+        from a document that lacks them while another document holds them. ``doc_id``: the match of that
+        fixed document (its closest chunk) rather than of the closest one."""
         held = self._vectors
         unit = _unit_rows(np.asarray(vector, dtype=np.float32))
-        best, score = _best(held.cacheable, unit)
+        chunk, score = _closest_cacheable(held, unit, doc_id)
         other, other_score = _best(held.others, unit)
-        chunk = held.cacheable_chunks[best] if best >= 0 else None
         match = ScopeMatch(doc_id=chunk.doc_id if chunk else None, score=score, in_scope=False,
                            other_score=other_score, published=chunk.published if chunk else "",
                            other_published=held.other_chunks[other].published if other >= 0 else "",
@@ -215,13 +215,20 @@ class ScopeDetector:
     def cite(self, doc_id: str, vector: Sequence[float] | np.ndarray) -> Citation | None:
         """The chunk of ``doc_id`` closest to ``vector`` (the embedding of question and answer together), or
         None when the detector holds no chunk of that document."""
-        held = self._vectors
-        rows = [row for row, chunk in enumerate(held.cacheable_chunks) if chunk.doc_id == doc_id]
-        if not rows:
-            return None
-        best, score = _best(held.cacheable[rows], _unit_rows(np.asarray(vector, dtype=np.float32)))
-        chunk = held.cacheable_chunks[rows[best]]
-        return Citation(chunk.doc_id, chunk.chunk_id, chunk.title, chunk.section, score)
+        chunk, score = _closest_cacheable(self._vectors, _unit_rows(np.asarray(vector, dtype=np.float32)), doc_id)
+        return None if chunk is None else Citation(chunk.doc_id, chunk.chunk_id, chunk.title, chunk.section, score)
+
+
+def _closest_cacheable(held: _Vectors, unit: np.ndarray, doc_id: str | None) -> tuple[Chunk | None, float]:
+    """The cacheable chunk closest to ``unit`` (of ``doc_id`` only, when given) and its similarity."""
+    if doc_id is None:
+        best, score = _best(held.cacheable, unit)
+        return (held.cacheable_chunks[best] if best >= 0 else None), score
+    rows = [row for row, chunk in enumerate(held.cacheable_chunks) if chunk.doc_id == doc_id]
+    if not rows:
+        return None, NO_MATCH_SCORE
+    best, score = _best(held.cacheable[rows], unit)
+    return held.cacheable_chunks[rows[best]], score
 
 
 def _held_elsewhere(held: dict[str, frozenset[str]], doc_id: str, question: str) -> tuple[str, ...]:
