@@ -75,7 +75,7 @@ class Answer:
     snapshot_key: str | None = None
     answered: bool = True  # False: declined, or states figures its document or passages lack (core.grounding)
     unsupported: tuple[str, ...] = ()
-    no_quantity: bool = False  # declined: the question asks for an amount and the text states none
+    misses: str | None = None  # declined: the text answers next to the question (core.grounding: no_quantity ...)
     relevance: float | None = None  # the model's P("yes") that its text answers the question (None: not asked)
     not_relevant: bool = False  # declined because that probability was below the engine's threshold
     reasked: bool = False  # the model declined, judged its text to answer after all, and was asked again
@@ -84,7 +84,7 @@ class Answer:
     def decline_reason(self) -> str | None:
         if self.not_relevant:
             return "not_in_documents"
-        return grounding.Grounding(self.answered, self.unsupported, self.no_quantity).reason
+        return grounding.Grounding(self.answered, self.unsupported, self.misses).reason
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -107,7 +107,7 @@ def _grounded(text: str, source: str | None, question: str, **fields) -> Answer:
     """The answer with its grounding verdict against the text it was answered from (none: a question alone)."""
     verdict = grounding.check(text, source, question)
     return Answer(text, **fields, answered=verdict.answered, unsupported=verdict.unsupported,
-                  no_quantity=verdict.no_quantity)
+                  misses=verdict.misses)
 
 
 @dataclass
@@ -378,7 +378,8 @@ class Engine:
     def stream(self, question: str, snapshot: Snapshot | None = None, context: Sequence[Passage] | None = None,
                max_new_tokens: int | None = None, reuse_cache: bool = True) -> Iterator[str | Answer]:
         """Yield text pieces as tokens are decoded, then the final ``Answer``. Text that may still turn out to
-        be the decline sentence is held back: a decline the relevance check overrules is never shown."""
+        be the decline sentence is held back: a decline that the document alone (after newer passages) or the
+        relevance check overrules is never shown."""
         started = time.perf_counter()
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         route, ids, reused, prefix_len = self._plan(question, snapshot, context, reuse_cache)
@@ -387,6 +388,16 @@ class Engine:
         decoded = _Decoded(started)
         yield from self._decode(decoded, ids, reused, snapshot, budget, prefix, hold=wording(question).declined)
         answer = decoded.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused)
+        if snapshot is not None and context and answer.decline_reason == "model_declined":
+            # Newer passages are there to override a fact of the document; when the model finds no answer with
+            # them, they may have drawn it off one the document holds ("where does yfctl put its diagnostics
+            # bundle?" declined next to a release note on `yfctl backup restore`). The document alone is asked,
+            # over the same prefix; the decline stays unseen, as below.
+            context = None
+            route, ids, reused, _ = self._plan(question, snapshot, None, reuse_cache)
+            decoded = _Decoded(started)
+            yield from self._decode(decoded, ids, reused, snapshot, budget, prefix, hold=wording(question).declined)
+            answer = decoded.answer(self.tokenizer, snapshot, None, question, route, len(ids), reused)
         if route != "question-only" and self._check_relevance(answer, question, snapshot, context, reused, prefix):
             for item in self._answer_again(answer, question, snapshot, context, reuse_cache, budget, prefix, started):
                 if isinstance(item, Answer):
