@@ -14,6 +14,7 @@ the snapshot). Every route of one engine uses the same numeric recipe, so the ro
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -274,19 +275,20 @@ class Engine:
     # ---- answering -------------------------------------------------------------------------------
 
     def _plan(self, question: str, snapshot: Snapshot | None, context: Sequence[Passage] | None,
-              reuse_cache: bool, may_decline: bool = True) -> tuple[str, list[int], int, int]:
+              reuse_cache: bool, may_decline: bool = True, excerpt: str = "") -> tuple[str, list[int], int, int]:
         """Decide the route; return (route, all prompt ids, count of leading ids the snapshot holds, count of
         leading ids of the system turn). With a snapshot, ``context`` holds the newer passages that follow the
         document (cache+retrieval)."""
         if snapshot is not None:
             self._check(snapshot)
             prompt = self.prompts.tokenize(snapshot.system_prompt, question, snapshot.prefix_token_ids,
-                                           updates=context or (), may_decline=may_decline)
+                                           updates=context or (), may_decline=may_decline, excerpt=excerpt)
             if reuse_cache:
                 return ("cache+retrieval" if context else "cache"), prompt.ids, prompt.prefix_len, prompt.prefix_len
             return "full", prompt.ids, 0, prompt.prefix_len
         if context is not None:
-            prompt = self.prompts.tokenize(passages_system(context, question), question, may_decline=may_decline)
+            prompt = self.prompts.tokenize(passages_system(context, question), question, may_decline=may_decline,
+                                           excerpt=excerpt)
             return "retrieval", prompt.ids, 0, prompt.prefix_len
         prompt = self.prompts.tokenize(QUESTION_ONLY_SYSTEM, question, may_decline=may_decline)
         return "question-only", prompt.ids, 0, prompt.prefix_len
@@ -412,15 +414,36 @@ class Engine:
     def _answer_again(self, declined: Answer, question: str, snapshot: Snapshot | None,
                       context: Sequence[Passage] | None, reuse_cache: bool, budget: int, prefix,
                       started: float) -> Iterator[str | Answer]:
-        """Ask a declined question again without the option to decline, over the same prefix: yields the new
-        text as it is decoded, then the new answer, which keeps the decline's relevance."""
-        route, ids, reused, _ = self._plan(question, snapshot, context, reuse_cache, may_decline=False)
+        """Ask a declined question again over the same prefix, as ``model.relevance.reask_<language>`` says:
+        with the part of the text closest to the question quoted ahead of it, or without the option to decline.
+        Yields the new text as it is decoded, then the new answer, which keeps the decline's relevance."""
+        if self.relevance_check.reask(language(question)) == "excerpt":
+            route, ids, reused = self._excerpt_plan(question, snapshot, context, reuse_cache)
+        else:
+            route, ids, reused, _ = self._plan(question, snapshot, context, reuse_cache, may_decline=False)
         self._check_room(route, ids, reused, budget)
         again = _Decoded(started)
         yield from self._decode(again, ids, reused, snapshot, budget, prefix)
         answer = again.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused)
         answer.relevance, answer.reasked = declined.relevance, True
         yield answer
+
+    def _excerpt_plan(self, question: str, snapshot: Snapshot | None, context: Sequence[Passage] | None,
+                      reuse_cache: bool) -> tuple[str, list[int], int]:
+        """The plan of a question with the closest part of its text quoted ahead of it, cut (at a token) to
+        what the question budget leaves, as the quote is prefilled per request like the question; a question
+        that leaves no room is asked as before."""
+        excerpt = closest_part(question, snapshot, context)
+        while excerpt:
+            route, ids, reused, prefix_len = self._plan(question, snapshot, context, reuse_cache, excerpt=excerpt)
+            over = len(ids) - prefix_len - self.question_budget_tokens
+            if over <= 0:
+                return route, ids, reused
+            tokens = self.prompts.encode(excerpt)
+            keep = len(tokens) - over - 4
+            excerpt = self.tokenizer.decode(tokens[:keep]).rstrip("\ufffd").rstrip() + " …" if keep >= 16 else ""
+        route, ids, reused, _ = self._plan(question, snapshot, context, reuse_cache)
+        return route, ids, reused
 
     def _decode(self, decoded: "_Decoded", ids: list[int], reused: int, snapshot: Snapshot | None, budget: int,
                 prefix, hold: str = "") -> Iterator[str]:
@@ -552,6 +575,23 @@ def _terms(text: str) -> set[str]:
     text = text.lower()
     bigrams = {run[i:i + 2] for run in _HAN_RUN.findall(text) for i in range(max(1, len(run) - 1))}
     return set(_WORD.findall(text)) | bigrams
+
+
+def closest_part(question: str, snapshot: Snapshot | None, context: Sequence[Passage] | None) -> str:
+    """The section of the snapshot's document (its system turn less the instruction and title), or the
+    passage, whose terms in common with the question weigh the most, a term weighing less the more of them
+    hold it: "the" and "does" pick no section."""
+    if snapshot is not None:
+        body = snapshot.system_prompt.split("\n\n", 2)[-1]
+        texts = re.split(r"\n\n(?=## )", body)
+    else:
+        texts = [passage.text for passage in context or ()]
+    if not texts:
+        return ""
+    words = _terms(question)
+    held = [words & _terms(text) for text in texts]
+    weight = {term: math.log(1 + len(texts) / sum(term in terms for terms in held)) for term in set().union(*held)}
+    return texts[max(range(len(texts)), key=lambda i: (sum(weight[term] for term in held[i]), -i))]
 
 
 def best_part(question: str, texts: Sequence[str]) -> int:

@@ -44,6 +44,10 @@ class Wording:
     # answer it is asked again with these (core.engine, the relevance check).
     answer_reminder: str
     answer_updates_reminder: str
+    # Or with the part of the text closest to the question quoted ahead of it, the option to decline kept: a
+    # fact in a table row the model overlooked in the whole document (core.engine, the relevance check).
+    excerpt_label: str
+    excerpt_reminder: str
     newer_label: str
     relevance_question: str  # asks whether the text answers ``{question}``, to be answered yes or no
     yes: str
@@ -73,6 +77,9 @@ WORDINGS = {
         answer_reminder="(Answer from the text above, in one or two short sentences.)",
         answer_updates_reminder=("(Answer from the texts above, in one or two short sentences; a newer text overrides "
                                  "the document.)"),
+        excerpt_label="[Excerpt]",
+        excerpt_reminder=("(The excerpt is part of the text above. Answer only from that text. If it does not answer "
+                          f"this exact question, reply: {_EN_DECLINED})"),
         newer_label="[Newer text]",
         relevance_question='Does the text above answer this question: "{question}"? Reply Yes or No.',
         yes="Yes", no="No"),
@@ -84,6 +91,8 @@ WORDINGS = {
         updates_reminder=f"（只根据上面的文本回答；较新的文本优先于文档。如果它们没有回答这个问题，请回复：{_ZH_DECLINED}）",
         answer_reminder="（请根据上面的文本用中文回答，一两句话即可。）",
         answer_updates_reminder="（请根据上面的文本用中文回答，一两句话即可；较新的文本优先于文档。）",
+        excerpt_label="[摘录]",
+        excerpt_reminder=f"（摘录是上面文本的一部分。只根据该文本回答。如果它没有回答这个问题，请回复：{_ZH_DECLINED}）",
         newer_label="[较新文本]",
         relevance_question="上面的文本能回答这个问题吗：“{question}”？只回答“是”或“否”。",
         yes="是", no="否"),
@@ -181,10 +190,16 @@ class PromptBuilder:
             return self.tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False)
         return f"{system}\n\n"
 
-    def full_text(self, system: str, question: str, updates: Sequence[Passage] = (), may_decline: bool = True) -> str:
-        """The whole prompt; ``may_decline=False`` leaves the option to decline out of the reminder."""
+    def full_text(self, system: str, question: str, updates: Sequence[Passage] = (), may_decline: bool = True,
+                  excerpt: str = "") -> str:
+        """The whole prompt; ``may_decline=False`` leaves the option to decline out of the reminder; ``excerpt``
+        (a part of the system turn's text) is quoted ahead of the question."""
         question = clean_question(question)
         words = wording(question)
+        if excerpt:
+            if updates:
+                raise PromptError("an excerpt is quoted only from a document or passages without newer passages")
+            return self._render(system, f"{words.excerpt_label} {excerpt}\n\n{question}\n\n{words.excerpt_reminder}")
         if updates:
             reminder = words.updates_reminder if may_decline else words.answer_updates_reminder
             return self._render(system, f"{updates_text(updates, question)}\n\n{question}\n\n{reminder}")
@@ -212,12 +227,12 @@ class PromptBuilder:
         return self.encode(self.prefix_text(system))
 
     def tokenize(self, system: str, question: str, prefix_ids: Sequence[int] | None = None,
-                 updates: Sequence[Passage] = (), may_decline: bool = True) -> TokenizedPrompt:
+                 updates: Sequence[Passage] = (), may_decline: bool = True, excerpt: str = "") -> TokenizedPrompt:
         """Tokenise the full prompt once and split it where the prefix ends.
 
         ``prefix_ids`` (a snapshot's) must be a true prefix of the full ids, or reusing that cache would be wrong.
         """
-        return self._split(system, self.full_text(system, question, updates, may_decline), prefix_ids)
+        return self._split(system, self.full_text(system, question, updates, may_decline, excerpt), prefix_ids)
 
     def tokenize_relevance(self, system: str, question: str, prefix_ids: Sequence[int] | None = None,
                            updates: Sequence[Passage] = ()) -> TokenizedPrompt:

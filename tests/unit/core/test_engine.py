@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 from cagflow.core.documents import ParsedDocument, Section, parse_file
-from cagflow.core.engine import Answer, DocumentPart, Engine, SnapshotMismatch
+from cagflow.core.engine import Answer, DocumentPart, Engine, SnapshotMismatch, closest_part
 from cagflow.config import RelevanceConfig
 from cagflow.core.prompt import DECLINED_ANSWER, WORDINGS, EmptyQuestionError, Passage, PromptError
 from cagflow.core.snapshot import Snapshot
@@ -167,7 +167,7 @@ def test_a_decline_the_relevance_check_overrules_is_asked_again_and_never_shown(
     engine, parts = small_parts
     snapshot = engine.precompute(parts[0])
     lenient = Engine(engine.loaded, engine.max_context_tokens, engine.max_new_tokens, engine.question_budget_tokens,
-                     RelevanceConfig(decline_below_en=0.0, reask_from_en=0.0))
+                     RelevanceConfig(decline_below_en=0.0, reask_from_en=0.0, reask_en="answer"))
     plain = lenient.answer(QUESTIONS[0], snapshot=snapshot)
     assert plain.answered and not plain.reasked and plain.relevance is None  # declining is off: not asked
     relevance = lenient.relevance(QUESTIONS[0], snapshot)
@@ -192,6 +192,57 @@ def test_a_decline_the_relevance_check_overrules_is_asked_again_and_never_shown(
     items = list(never.stream(QUESTIONS[0], snapshot=snapshot))
     assert items[-1].decline_reason == "model_declined" and not items[-1].reasked
     assert "".join(items[:-1]).strip() == DECLINED_ANSWER  # a decline that stands is shown once it is known
+
+
+def test_a_decline_is_asked_again_with_the_closest_section_quoted_within_the_question_budget(small_parts,
+                                                                                             monkeypatch):
+    """"excerpt" re-asks quote the section sharing the most words with the question ahead of it, cut to the
+    question budget, over the snapshot's prefix (exact against the full prompt), and may decline again."""
+    engine, parts = small_parts
+    snapshot = engine.precompute(parts[0])
+    excerpting = Engine(engine.loaded, engine.max_context_tokens, engine.max_new_tokens, engine.question_budget_tokens,
+                        RelevanceConfig(reask_from_en=0.0, reask_en="excerpt"))
+    declined = engine.tokenizer(DECLINED_ANSWER, add_special_tokens=False)["input_ids"]
+    prompts = []
+    decode = Engine._greedy
+
+    def first_attempt_declines(self, ids, *args, **kwargs):
+        text = self.tokenizer.decode(ids)
+        prompts.append(text)
+        if WORDINGS["en"].question_reminder in text:
+            yield from [*declined, *self.eos_ids]
+        else:
+            yield from decode(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_greedy", first_attempt_declines)
+    question = "Which port does the web console listen on?"
+    cached = excerpting.answer(question, snapshot=snapshot)
+    full = excerpting.answer(question, snapshot=snapshot, reuse_cache=False)
+    assert cached.reasked and cached.route == "cache" and full.route == "full"
+    assert cached.token_ids == full.token_ids and cached.text != DECLINED_ANSWER
+    reasked = prompts[1]
+    assert reasked.startswith(excerpting.prompts.prefix_text(snapshot.system_prompt))
+    user_turn = reasked[len(excerpting.prompts.prefix_text(snapshot.system_prompt)):]
+    assert WORDINGS["en"].excerpt_label in user_turn and WORDINGS["en"].excerpt_reminder in user_turn
+    quoted = user_turn.split(WORDINGS["en"].excerpt_label, 1)[1].split(question)[0].strip().removesuffix("…").strip()
+    closest = closest_part(question, snapshot, None)
+    assert len(quoted) > 40 and closest.startswith(quoted) and quoted in snapshot.system_prompt
+    assert "console" in closest.lower()
+    assert cached.prompt_tokens - cached.reused_tokens <= excerpting.question_budget_tokens
+
+    # the re-ask keeps the option to decline: one that declines again stands, as the model's decline
+    monkeypatch.setattr(Engine, "_greedy", _declining_where(question, declined))
+    again = excerpting.answer(question, snapshot=snapshot)
+    assert again.reasked and again.decline_reason == "model_declined"
+
+
+def test_the_closest_part_is_weighed_by_its_rare_terms():
+    """Words most parts hold ("how", "the", "does") weigh less than the ones few hold: as many terms in common
+    with the question, the part holding the rare ones is quoted."""
+    fillers = [Passage(f"How the team does a task of kind {n}.") for n in range(5)]
+    target = Passage("Nobody may acknowledge a SEV1 page late.")
+    assert closest_part("How does the engineer acknowledge a SEV1 page?", None, [*fillers, target]) == target.text
+    assert closest_part("anything", None, []) == ""
 
 
 def test_a_decline_next_to_newer_passages_is_answered_by_the_document_alone(small_parts, monkeypatch):
