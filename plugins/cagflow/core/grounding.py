@@ -83,10 +83,11 @@ them us me not no any all each every per after before than then about into over 
 more most less least very also only just same other another get gets got use used using uses""".split())
 _ORDINAL_WORDS = ("zeroth", "first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth",
                   "tenth", "eleventh", "twelfth")
-_DECLINE = re.compile(r"\b(?:documents?|passages?|text|manual)\s+(?:do|does)\s+not\s+"
+# "excerpt": a re-asked question quotes one (core.engine), and the model then declines in its words.
+_DECLINE = re.compile(r"\b(?:documents?|passages?|text|manual|excerpts?)\s+(?:do|does)\s+not\s+"
                       r"(?:contain|include|mention|say|specify|state|provide|have|list|give)\b"
                       r"|\bnot\s+(?:found|mentioned|stated|specified|provided|given|listed|included)\s+in\s+the\s+"
-                      r"(?:provided\s+|given\s+)?(?:documents?|passages?|text|manual)\b"
+                      r"(?:provided\s+|given\s+)?(?:documents?|passages?|text|manual|excerpts?)\b"
                       r"|(?:文档|文本|资料|手册|材料)(?:中|里)?并?(?:没有|未|不)(?:包含|提及|提到|说明|涉及|给出|列出|记载|找到)"
                       r"|(?:文档|文本|资料|手册|材料)(?:中|里)(?:没有|找不到|未找到)"
                       r"|没有(?:找到)?(?:相关|有关)的?信息",

@@ -50,7 +50,10 @@ def test_invented_figures_and_unknown_identifiers_are_unsupported(answer, questi
                                     "The passages do not mention a Wi-Fi password.",
                                     "This is not stated in the documents.",
                                     "The Wi-Fi password in the office is not provided in the document.",
-                                    "The list price of an SG-800 is not mentioned in the provided text.", ""])
+                                    "The list price of an SG-800 is not mentioned in the provided text.",
+                                    # after a re-ask that quoted an excerpt (core.engine)
+                                    "The list price of an SG-800 appliance is not provided in the given excerpt.",
+                                    "The excerpt does not mention the office Wi-Fi password.", ""])
 def test_declines_in_the_models_words_are_recognised(answer):
     verdict = check(answer, SOURCE)
     assert not verdict.answered and verdict.unsupported == ()
