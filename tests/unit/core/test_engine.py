@@ -147,13 +147,16 @@ def test_relevance_check_shares_the_answers_prefix_and_declines_below_its_thresh
     assert engine.answer(QUESTIONS[0], snapshot=snapshot).relevance is None  # no relevance check configured
 
 
-def _declining_where(marker: str, declined: list[int]):
+def _declining_where(marker: str, declined: list[int], prompts: list[str] | None = None):
     """An ``Engine._greedy`` that decodes the decline sentence for every prompt holding ``marker`` and the
-    model's own tokens otherwise: the tiny model never declines by itself."""
+    model's own tokens otherwise: the tiny model never declines by itself. ``prompts`` collects every prompt."""
     decode = Engine._greedy
 
     def greedy(self, ids, *args, **kwargs):
-        if marker in self.tokenizer.decode(ids):
+        text = self.tokenizer.decode(ids)
+        if prompts is not None:
+            prompts.append(text)
+        if marker in text:
             yield from [*declined, *self.eos_ids]
         else:
             yield from decode(self, ids, *args, **kwargs)
@@ -204,17 +207,7 @@ def test_a_decline_is_asked_again_with_the_closest_section_quoted_within_the_que
                         RelevanceConfig(reask_from_en=0.0, reask_en="excerpt"))
     declined = engine.tokenizer(DECLINED_ANSWER, add_special_tokens=False)["input_ids"]
     prompts = []
-    decode = Engine._greedy
-
-    def first_attempt_declines(self, ids, *args, **kwargs):
-        text = self.tokenizer.decode(ids)
-        prompts.append(text)
-        if WORDINGS["en"].question_reminder in text:
-            yield from [*declined, *self.eos_ids]
-        else:
-            yield from decode(self, ids, *args, **kwargs)
-
-    monkeypatch.setattr(Engine, "_greedy", first_attempt_declines)
+    monkeypatch.setattr(Engine, "_greedy", _declining_where(WORDINGS["en"].question_reminder, declined, prompts))
     question = "Which port does the web console listen on?"
     cached = excerpting.answer(question, snapshot=snapshot)
     full = excerpting.answer(question, snapshot=snapshot, reuse_cache=False)
