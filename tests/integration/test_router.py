@@ -19,6 +19,7 @@ from typing import Iterator
 
 import pytest
 import requests
+import yaml
 from cagflow.config import Config, load_config
 from cagflow.core.prompt import DECLINED_ANSWER
 from cagflow.devstack.process import ServerProcess, free_port, hold_port
@@ -29,6 +30,7 @@ from cagflow.router.apikeys import ApiKeyStore
 from cagflow.search.retrieval import ChunkIndex
 from cagflow.search.scope import ScopeDetector
 from cagflow.store.backends import LocalStore
+from cagflow.store.manifests import CorpusManifest
 
 pytestmark = pytest.mark.integration
 
@@ -496,6 +498,67 @@ def test_readiness_degrades_while_opensearch_or_the_store_is_away_and_recovers(o
         forwarder.close()
         app.extensions["cagflow_router"].close()
         app_without_release.extensions["cagflow_router"].close()
+
+
+def test_a_dataset_joins_the_stack_and_is_scored_through_the_api(router, keys, triton, release_store, corpus_index,
+                                                                 opensearch_url, tiny_model_dir, corpus_manifest_path,
+                                                                 tmp_path, monkeypatch):
+    """`bench answers --dataset`: documents the active release lacks are indexed, precomputed and published by
+    the pipeline's own steps next to the configured corpus, Triton and the router take the release, and every
+    question is asked on its routes. (Last but one: it changes the release the tests above rely on.)"""
+    from cagflow.bench import dataset_answers
+    from cagflow.bench.datasets import load_dataset
+    from cagflow.client.api_client import ApiClient
+
+    root = tmp_path / "orchard"
+    (root / "documents").mkdir(parents=True)
+    texts = {"orchard-notes": "# Orchard Notes\n\nThe oldest pear tree of the Quill orchard was planted in 1887.\n",
+             "kiln-guide": "# Kiln Guide\n\nThe stoneware kiln of the pottery fires at 1280 degrees Celsius.\n"}
+    for doc_id, text in texts.items():
+        (root / "documents" / f"{doc_id}.md").write_text(text)
+    (root / "manifest.yaml").write_text("documents:\n" + "".join(
+        f"  - {{doc_id: {doc_id}, version: '1', tier: fixed, title: {doc_id}, path: documents/{doc_id}.md}}\n"
+        for doc_id in texts))
+    questions = [{"id": "o1", "question": "When was the oldest pear tree of the Quill orchard planted?",
+                  "answers": ["1887"], "doc_id": "orchard-notes", "kind": "answerable"},
+                 {"id": "o2", "question": "Who planted the oldest apple tree of the Quill orchard?", "answers": [],
+                  "doc_id": None, "kind": "near_miss", "article": "orchard-notes"},
+                 {"id": "o3", "question": "Can you give me a recipe for banana bread?", "answers": [],
+                  "doc_id": None, "kind": "unrelated"}]
+    (root / "questions.jsonl").write_text("".join(json.dumps(question) + "\n" for question in questions))
+    dataset = load_dataset(str(root))
+    store, release = release_store
+    # the configured corpus: the fixed documents the release holds (the tiny model's context fits no Chinese one)
+    corpus = CorpusManifest.load(corpus_manifest_path)
+    base = tmp_path / "corpus.yaml"
+    base.write_text(yaml.safe_dump({"documents": [{**entry.model_dump(), "path": str(corpus.file(entry))}
+                                                  for entry in corpus.documents if entry.doc_id in release.doc_ids]}))
+    config = load_config(environ={**triton_environment(tiny_model_dir, store.root),
+                                  "CAGFLOW__RETRIEVAL__ENDPOINT": opensearch_url,
+                                  "CAGFLOW__RETRIEVAL__INDEX": corpus_index,
+                                  "CAGFLOW__CORPUS__MANIFEST": str(base),
+                                  "CAGFLOW__PRECOMPUTE__TRITON_URL": triton.http_url})
+    monkeypatch.setattr(dataset_answers, "CACHE_HOME", tmp_path / "home")
+    with ApiClient(router[0], keys[1]["Authorization"].split()[1]) as client:
+        before = client.releases()
+        assert "orchard-notes" not in before["documents"]
+        manifest = dataset_answers.ensure_served(config, client, dataset, ingest=True)
+        after = client.releases()
+        assert after["active"] != before["active"] and set(after["documents"]) == set(release.doc_ids) | {
+            "orchard-notes", "kiln-guide"}
+        assert dataset_answers.ensure_served(config, client, dataset, ingest=False) == manifest  # now served
+        rows = dataset_answers.ask_dataset(client, list(dataset.questions), dataset_answers.document_texts(manifest),
+                                           dataset_answers.ROUTES, MAX_NEW_TOKENS)
+    with ChunkIndex(opensearch_url, corpus_index) as index:
+        assert index.count(doc_id="orchard-notes") >= 1 and index.count(doc_id="kiln-guide") >= 1
+    answerable, near_miss, unrelated = rows
+    assert answerable["cache"]["route"] == "cache" and answerable["cache"]["cache_doc_id"] == "orchard-notes"
+    assert near_miss["cache"]["cache_doc_id"] == "orchard-notes" and near_miss["retrieval"]["route"] == "retrieval"
+    assert set(unrelated) & set(dataset_answers.ROUTES) == {"auto"}
+    assert unrelated["auto"]["answered"] is False and unrelated["auto"]["right"]  # far from every document
+    summary = dataset_answers.summarise(rows)
+    assert summary["table"]["en answerable"]["cache"]["asked"] == 1
+    assert summary["table"]["en unrelated"]["auto"]["right"] == 1
 
 
 def wait_until_free(ports, timeout_s: float = 120.0) -> None:

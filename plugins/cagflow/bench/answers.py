@@ -360,4 +360,8 @@ def compare_precisions(config: Config, args: argparse.Namespace) -> int:
 
 
 def main(config: Config, args: argparse.Namespace) -> int:
+    if getattr(args, "dataset", None):
+        from .dataset_answers import run
+
+        return run(config, args)
     return compare_precisions(config, args) if args.precisions else through_api(config, args)

@@ -189,6 +189,13 @@ class ApiClient:
             except requests.RequestException as exc:
                 raise ApiError(0, "stream_interrupted", f"the answer stream broke off: {_root_cause(exc)}") from None
 
+    def releases(self) -> dict:
+        """``GET /v1/releases``: the active release and its documents, as the router sees them now."""
+        response = self._request("GET", "/v1/releases")
+        if not response.ok:
+            raise _error_from(response)
+        return self._json(response)
+
     def health(self) -> dict:
         response = self._request("GET", "/healthz")
         if not response.ok:

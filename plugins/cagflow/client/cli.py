@@ -491,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--limit", type=int, help="bench answers: ask only the first N sample questions")
     engine.add_argument("--kind", action="append", help="bench answers: ask only questions of this kind (fact, "
                         "near_miss, near_miss_absent, unanswerable, conflict; repeatable)")
-    engine.add_argument("--only", help="bench answers: ask only these question ids (q001,q002,...)")
+    engine.add_argument("--only", help="bench answers: ask only these question ids (q001,q002,... or dataset ids)")
     engine.add_argument("--language", choices=("en", "zh"),
                         help="bench answers: ask only the questions in this language")
     engine.add_argument("--no-full-prompt", action="store_true",
@@ -499,6 +499,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "question; token-identical to the cache route)")
     engine.add_argument("--auto-only", action="store_true",
                         help="bench answers: ask each question once, routed by the API (no per-route comparison)")
+    engine.add_argument("--dataset", metavar="NAME|PATH",
+                        help="bench answers: a question set of bench/datasets/ (squad2-dev, cmrc2018-trial) or a "
+                             "folder of the same format, scored by its own rules; its documents are added to the "
+                             "running stack when the active release lacks them (README: Measure it on your documents)")
+    engine.add_argument("--route", action="append", choices=("auto", "cache", "retrieval"),
+                        help="bench answers --dataset: ask on this route (repeatable; default: all three)")
+    engine.add_argument("--split", choices=("calibration", "report"),
+                        help="bench answers --dataset: ask only this half (split by document)")
+    engine.add_argument("--no-ingest", action="store_true",
+                        help="bench answers --dataset: fail instead of adding missing documents to the stack")
     load = bench.add_argument_group("options of `bench load`")
     load.add_argument("--clients", type=int, help="clients asking at once (default: 50 in the burst of `bench "
                                                   "load`, 4 during each scenario of `bench faults`)")

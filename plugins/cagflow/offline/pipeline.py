@@ -528,6 +528,24 @@ def request_serving_reload(release: dict, config: Config | None = None) -> dict:
     return {"requested": False, "reason": reason}
 
 
+def run_fixed_pipeline(config: Config) -> dict:
+    """What ``cag_fixed_precompute`` runs, task after task in this process, over ``config.corpus.manifest``:
+    ingest the changed fixed documents, precompute what the active release lacks, publish, ask serving to
+    reload. For one-off loads outside Airflow (`cagflow bench answers --dataset`); documents of the index
+    that the manifest does not list are kept."""
+    documents = load_documents("fixed", config=config, incremental=True)
+    parsed = parse_documents(documents)
+    chunks = chunk_documents(parsed, config)
+    check_chunks(parsed, chunks, config)
+    index_chunks(embed_chunks(chunks), "fixed", remove_unlisted=False, config=config, documents=parsed)
+    parts = plan_snapshot_parts(config=config)
+    results = [precompute_snapshot(part, config=config) for part in parts]
+    if parts:
+        check_snapshots(results, parts, config)
+    release = publish_fixed_release(results, config)
+    return {**release, "reload": request_serving_reload(release, config)}
+
+
 # ---- maintenance -----------------------------------------------------------------------------------
 
 
