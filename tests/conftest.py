@@ -31,7 +31,7 @@ def real_qwen_model():
     """Qwen2.5-Coder-0.5B on the int8 engine (the Qwen2 family: q/k/v biases, 14:2 grouped heads)."""
     from cagflow.core.model import load_model
 
-    return load_model("qwen2.5-0.5b")
+    return load_model("qwen2.5-coder-0.5b")
 
 
 @pytest.fixture(scope="session")

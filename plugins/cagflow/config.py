@@ -275,7 +275,7 @@ class RelevanceConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str = "qwen2.5-1.5b"  # the default tier: see README "Models" and `cagflow bench answers`
+    path: str = "qwen2.5-coder-1.5b"  # the default tier: see README "Models" and `cagflow bench answers`
     max_context_tokens: int = Field(8192, ge=256)
     max_new_tokens: int = Field(128, ge=1)
     question_budget_tokens: int = Field(256, ge=16)

@@ -9,7 +9,7 @@ def test_defaults_are_valid():
     assert config.service.port == 8080
     assert config.cache.state_store.startswith("file://")
     assert config.retrieval.fallback_enabled is True
-    assert config.model.path == "qwen2.5-1.5b"
+    assert config.model.path == "qwen2.5-coder-1.5b"
 
 
 def test_yaml_file_then_environment_override(tmp_path):

@@ -68,9 +68,10 @@ def _active_release(config: Config):
 
 def model_folder(model: ModelConfig) -> Path:
     """Where the configured model lives, without preparing it: a preset's folder may not exist yet."""
-    from ..core.model import PRESETS
+    from ..core.model import find_preset, preset_folder
 
-    return CACHE_HOME / "models" / model.path if model.path in PRESETS else Path(model.path).expanduser()
+    preset = find_preset(model.path)
+    return preset_folder(preset) if preset is not None else Path(model.path).expanduser()
 
 
 def weights_bytes(model: ModelConfig) -> int:
@@ -87,13 +88,13 @@ def weights_bytes(model: ModelConfig) -> int:
 
 def service_does_not_start(config: Config) -> Verdict:
     """The model is prepared, memory holds it and the resident budget, and the keys file has a key."""
-    from ..core.model import PRESETS
+    from ..core.model import find_preset
     from ..router.apikeys import ApiKeyStore
 
     symptom = "service does not start"
     spec = config.model.path
     folder = model_folder(config.model)
-    if spec in PRESETS and not (folder / "config.json").exists():
+    if find_preset(spec) is not None and not (folder / "config.json").exists():
         return Verdict(symptom, "fail", f"model {spec} is not prepared ({folder} missing)",
                        "run `cagflow model prepare` before starting Triton (make run does)")
     if not folder.exists():

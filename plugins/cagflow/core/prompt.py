@@ -18,6 +18,9 @@ from typing import Sequence
 from ..errors import CagflowError
 
 TEMPLATE_VERSION = "cagflow-prompt-v3"
+# Options every chat template is rendered with; a template that does not read one ignores it. Thinking is off:
+# an answer is a few sentences from the given text, and the relevance check reads the first token as yes or no.
+CHAT_TEMPLATE_OPTIONS = {"enable_thinking": False}
 
 _HAN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 _LATIN_WORD = re.compile(r"[A-Za-z]+")
@@ -187,7 +190,8 @@ class PromptBuilder:
 
     def prefix_text(self, system: str) -> str:
         if self.chat:
-            return self.tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False)
+            return self.tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False,
+                                                      **CHAT_TEMPLATE_OPTIONS)
         return f"{system}\n\n"
 
     def full_text(self, system: str, question: str, updates: Sequence[Passage] = (), may_decline: bool = True,
@@ -217,7 +221,7 @@ class PromptBuilder:
         if self.chat:
             return self.tokenizer.apply_chat_template(
                 [{"role": "system", "content": system}, {"role": "user", "content": user}],
-                tokenize=False, add_generation_prompt=True)
+                tokenize=False, add_generation_prompt=True, **CHAT_TEMPLATE_OPTIONS)
         return f"{system}\n\nQuestion: {user}\nAnswer:"
 
     def encode(self, text: str) -> list[int]:

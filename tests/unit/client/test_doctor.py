@@ -14,6 +14,7 @@ from cagflow.client import doctor
 from cagflow.client.cli import main
 from cagflow.config import load_config
 from cagflow.core.keys import SnapshotKey
+from cagflow.core import model
 from cagflow.core.model import identify_model
 from cagflow.devstack.process import free_port
 from cagflow.router.apikeys import ApiKeyStore
@@ -104,6 +105,13 @@ def test_no_api_key_or_no_model_means_the_service_cannot_start(setup, monkeypatc
     monkeypatch.setenv("CAGFLOW__MODEL__PATH", str(setup["tmp"] / "no-such-model"))
     found = verdict(doctor.service_does_not_start)
     assert found.status == "fail" and "does not exist" in found.detail
+
+
+def test_a_preset_named_by_an_earlier_name_is_looked_for_in_its_own_folder(setup, monkeypatch):
+    monkeypatch.setattr(model, "CACHE_HOME", setup["tmp"])
+    monkeypatch.setenv("CAGFLOW__MODEL__PATH", "qwen2.5-1.5b")
+    found = verdict(doctor.service_does_not_start)
+    assert found.status == "fail" and f"({setup['tmp'] / 'models' / 'qwen2.5-1.5b'} missing)" in found.detail
 
 
 def test_preload_off_is_why_first_requests_are_slow(setup, monkeypatch):

@@ -47,6 +47,29 @@ def test_relevance_prompt_follows_the_same_prefix_and_asks_in_the_questions_lang
     assert builder.tokenize_relevance(system, question, updates=updates).prefix_len == plain.prefix_len
 
 
+# The generation prompt of Qwen3's chat template, with its switch for thinking.
+THINKING_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+
+
+def test_a_template_that_can_think_renders_with_thinking_off(tiny_model_dir):
+    """The answer starts after an empty thinking block (the relevance check reads its first token), and the
+    system turn is still the prefix."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tokenizer.chat_template = THINKING_TEMPLATE
+    builder = PromptBuilder(tokenizer)
+    system = document_system("Manual", "The console listens on 8443.")
+    for text in (builder.full_text(system, "Which port?"), builder.relevance_text(system, "Which port?")):
+        assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    prompt = builder.tokenize(system, "Which port?")
+    assert prompt.ids[:prompt.prefix_len] == builder.prefix_ids(system)
+
+
 @pytest.mark.parametrize("question", ["", "   ", "\n\t "])
 def test_empty_question_is_a_clear_error(builder, question):
     with pytest.raises(EmptyQuestionError, match="question is empty"):
