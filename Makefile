@@ -5,13 +5,15 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.cagflow-deps
 PYTEST_ARGS ?=
 
-.PHONY: install browser redis tools run stop test test-unit images test-containers help
+.PHONY: install lint browser redis tools run stop test test-unit images test-containers help
 
 help:
 	@echo "make run   - install, start OpenSearch, Triton, Airflow and the REST API, run the ingest and precompute"
 	@echo "             DAGs on the sample corpus, then ask sample questions through the API"
 	@echo "make stop  - stop the services make run started"
 	@echo "make test  - install and run the whole test suite (it starts its own servers on 127.0.0.1)"
+	@echo "make test-unit - ruff, then the tests that need no server, no real model and no make tools (no network)"
+	@echo "make lint  - ruff check of the whole checkout (pyproject.toml's [tool.ruff])"
 	@echo "make tools - build the container files' linters once (compose, promtool, kustomize, hadolint; ~11 min the first time)"
 	@echo "make images - build every image docker/docker-compose.yml runs, without a registry (docker/build-local.sh)"
 	@echo "make test-containers - run the compose stacks with the smallest model: the small stack (both DAGs, the demo,"
@@ -102,11 +104,16 @@ redis:
 tools: $(STAMP)
 	@PYTHON=$(BIN)/python bash docker/static-tools.sh
 
-test: install browser redis tools
+# The linter comes with the requirements; it takes about a second, so both test targets start with it.
+lint: $(STAMP)
+	$(BIN)/ruff check
+
+test: lint install browser redis tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-unit: install tools
-	$(BIN)/python -m pytest -m "not integration and not real_model" $(PYTEST_ARGS)
+# The quick tests, offline: no server (integration), no real model (real_model) and no Go build (tools, `make test`).
+test-unit: lint install
+	$(BIN)/python -m pytest -m "not integration and not real_model and not tools" $(PYTEST_ARGS)
 
 # The container images, built from package registries only (no image registry): the Debian and Python bases, local
 # equivalents of the third-party images and the project's image (docker/build-local.sh; --rebuild: REBUILD=1).

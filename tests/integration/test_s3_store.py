@@ -53,8 +53,18 @@ def store(s3_server: LocalSeaweedFS) -> S3Store:
     return opened
 
 
-def test_ping(store: S3Store):
-    store.ping()
+def test_ping_asks_for_the_bucket_and_a_missing_one_is_unavailable(s3_server: LocalSeaweedFS, store: S3Store):
+    """ping is the readiness check: one HeadBucket that the server answers, and StoreUnavailable naming the
+    store when the bucket is not there."""
+    pinged = open_store(store.url, s3_settings(s3_server.endpoint_url))
+    statuses = []
+    pinged.client.meta.events.register("after-call.s3.HeadBucket",
+                                       lambda http_response, **_: statuses.append(http_response.status_code))
+    pinged.ping()
+    assert statuses == [200]
+    missing = open_store(f"s3://{fresh_name('missing')}/{PREFIX}", s3_settings(s3_server.endpoint_url))
+    with pytest.raises(StoreUnavailable, match=missing.url):
+        missing.ping()
 
 
 @pytest.mark.parametrize("size", SIZES.values(), ids=SIZES.keys())

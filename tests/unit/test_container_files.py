@@ -1,7 +1,8 @@
 """Static checks of the container files, without a Docker daemon: the compose file renders, the Dockerfiles pass
 hadolint and keep their dependency layer apart from the code, and Prometheus' configuration and alert rules load
 in Prometheus 3 and fire when they should. The tools come from `make tools` (docker/static-tools.sh), which
-`make test` and `make test-unit` run first; a missing tool fails its test rather than skipping it."""
+`make test` runs first; the tests that run one are marked ``tools`` (`make test-unit` leaves them out, so it needs
+no Go build), and a missing tool fails its test rather than skipping it."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ def _compose_config(env_file: Path) -> subprocess.CompletedProcess:
                  "--quiet"], env=env)
 
 
+@pytest.mark.tools
 def test_compose_file_renders_with_the_example_env(tmp_path):
     """env.example leaves only the Fernet key to generate; with it filled in, every variable resolves."""
     env_file = tmp_path / "env"
@@ -68,6 +70,7 @@ def test_compose_file_renders_with_the_example_env(tmp_path):
     _passes(_compose_config(env_file))
 
 
+@pytest.mark.tools
 def test_compose_file_names_a_secret_left_empty():
     result = _compose_config(DOCKER / "env.example")
     assert result.returncode != 0 and "set AIRFLOW_FERNET_KEY in docker/.env" in result.stderr, result.stderr
@@ -77,6 +80,7 @@ def test_there_are_dockerfiles_to_lint():
     assert DOCKER / "Dockerfile" in DOCKERFILES
 
 
+@pytest.mark.tools
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: str(path.relative_to(REPO)))
 def test_dockerfile_passes_hadolint(dockerfile):
     _passes(_run([str(static_tool("hadolint")), "--no-color", str(dockerfile)]))
@@ -109,15 +113,18 @@ def test_dependencies_install_before_the_code_is_copied():
             assert set(sources) <= {"requirements.txt", "requirements-nodeps.txt"}, step
 
 
+@pytest.mark.tools
 def test_prometheus_config_loads():
     """Prometheus 3's own check of prometheus.yml, which also loads the rule files it names."""
     _passes(_run([str(static_tool("promtool")), "check", "config", "--lint-fatal", str(PROMETHEUS / "prometheus.yml")]))
 
 
+@pytest.mark.tools
 def test_alert_rules_load():
     _passes(_run([str(static_tool("promtool")), "check", "rules", "--lint-fatal", str(PROMETHEUS / "alerts.yml")]))
 
 
+@pytest.mark.tools
 def test_alert_rules_fire_when_they_should():
     _passes(_run([str(static_tool("promtool")), "test", "rules", str(PROMETHEUS / "alerts.test.yml")]))
 

@@ -4,7 +4,8 @@ Kubernetes JSON schemas of kubernetes-validate (strict: an unknown field fails),
 resources and runs as non-root, Services and the other selectors find the pods, the ConfigMap holds a CAGFlow
 configuration that loads and points at those Services, each container finds the files its configuration names,
 and airflow-values.yaml validates against the Airflow chart's values schema (a cut copy in docker/k8s/schemas).
-kustomize comes from `make tools` (docker/static-tools.sh); a missing one fails, as in test_container_files.py."""
+kustomize comes from `make tools` (docker/static-tools.sh): the tests that render with it are marked ``tools``, and
+a missing one fails, as in test_container_files.py."""
 
 from __future__ import annotations
 
@@ -96,6 +97,7 @@ def _validation_errors(item: dict, version: str) -> str | None:
     return None
 
 
+@pytest.mark.tools
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_every_object_validates_against_the_kubernetes_schemas(objects, version):
     kinds = {item["kind"] for item in objects}
@@ -105,6 +107,7 @@ def test_every_object_validates_against_the_kubernetes_schemas(objects, version)
     assert {name: error for name, error in errors.items() if error} == {}
 
 
+@pytest.mark.tools
 def test_a_broken_manifest_is_rejected(objects):
     """The validator really validates: a misspelt field and a wrong type each fail."""
     router = _named(objects, "Deployment")["cagflow-router"]
@@ -116,6 +119,7 @@ def test_a_broken_manifest_is_rejected(objects):
     assert "is not of type 'integer'" in _validation_errors(wrong_type, KUBERNETES_VERSIONS[0])
 
 
+@pytest.mark.tools
 def test_a_kustomization_naming_a_missing_file_does_not_render(checkout, tmp_path):
     broken = tmp_path / "k8s"
     shutil.copytree(checkout, broken)
@@ -124,6 +128,7 @@ def test_a_kustomization_naming_a_missing_file_does_not_render(checkout, tmp_pat
     assert result.returncode != 0 and "triton.yaml" in result.stderr
 
 
+@pytest.mark.tools
 def test_every_workload_has_probes_and_resources_and_runs_as_non_root(objects):
     problems = []
     for workload in _workloads(objects):
@@ -148,6 +153,7 @@ def test_every_workload_has_probes_and_resources_and_runs_as_non_root(objects):
     assert problems == []
 
 
+@pytest.mark.tools
 def test_services_select_pods_and_name_their_ports(objects):
     workloads = _workloads(objects)
     for service in _named(objects, "Service").values():
@@ -160,6 +166,7 @@ def test_services_select_pods_and_name_their_ports(objects):
         assert {port["targetPort"] for port in service["spec"]["ports"]} <= port_names, service["metadata"]["name"]
 
 
+@pytest.mark.tools
 def test_autoscaler_budgets_and_network_policies_find_their_pods(objects):
     deployments = _named(objects, "Deployment")
     for autoscaler in _named(objects, "HorizontalPodAutoscaler").values():
@@ -221,6 +228,7 @@ def _config(path: str, files: dict[str, str], objects: list[dict], tmp_path: Pat
     return load_config(local, environ=environ)
 
 
+@pytest.mark.tools
 def test_the_config_map_holds_a_cagflow_config_pointing_at_the_services(objects, tmp_path):
     configmap = _named(objects, "ConfigMap")["cagflow-config"]
     (tmp_path / "cagflow.yaml").write_text(configmap["data"]["cagflow.yaml"])
@@ -235,6 +243,7 @@ def test_the_config_map_holds_a_cagflow_config_pointing_at_the_services(objects,
     assert config.service.host == "0.0.0.0" and config.service.port in services["cagflow-router"]
 
 
+@pytest.mark.tools
 def test_each_cagflow_container_finds_the_files_its_config_names(objects, tmp_path):
     """CAGFLOW_CONFIG, the S3 credential files (reader only: serving never writes the store), the TLS pair and
     the API keys file are all mounted, from the objects this base creates."""
@@ -306,6 +315,7 @@ def test_a_key_the_schema_copy_was_cut_without_is_named(chart_schema, airflow_va
     assert sorted(_uncut(chart_schema, grown)) == [".images", ".scheduler.replicas"]
 
 
+@pytest.mark.tools
 def test_airflow_pods_find_the_config_and_write_credentials(objects, airflow_values, tmp_path):
     """The Airflow task pods (the chart's pod template) mount what this base creates, under the names it keeps."""
     workers = airflow_values["workers"]["kubernetes"]

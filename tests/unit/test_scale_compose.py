@@ -2,7 +2,8 @@
 and docker-compose.scale.small.yml on a small machine), without a Docker daemon: it renders, and what it renders
 is the profile `make test-containers` relies on: the Celery executor everywhere with two workers, two routers on
 both Triton replicas behind nginx, limits shared through Redis, two OpenSearch nodes that name each other, every
-image buildable by docker/build-local.sh, and memory limits that fit the small machine."""
+image buildable by docker/build-local.sh, and memory limits that fit the small machine. Every test reads what Docker
+Compose (from `make tools`) renders, so the module is marked ``tools``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import pytest
 import yaml
 
 from cagflow.config import ServiceConfig
+
+pytestmark = pytest.mark.tools
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
@@ -47,8 +50,10 @@ def _render(files: list[str], tmp_path: Path) -> dict:
     env_file = tmp_path / "env"
     env_file.write_text(re.sub(r"(?m)^AIRFLOW_FERNET_KEY=$", "AIRFLOW_FERNET_KEY=a-generated-key",
                                (DOCKER / "env.example").read_text()))
-    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), "DOCKER_CONFIG": str(static_tool("docker-config"))}
-    command = [docker, "compose", *[arg for file in files for arg in ("-f", file)], "--env-file", str(env_file), "config"]
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"),
+           "DOCKER_CONFIG": str(static_tool("docker-config"))}
+    command = [docker, "compose", *[arg for file in files for arg in ("-f", file)], "--env-file", str(env_file),
+               "config"]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, f"{' '.join(command)} exited with {result.returncode}:\n{result.stderr}"
     return yaml.safe_load(result.stdout)
@@ -154,5 +159,6 @@ def test_prometheus_scrapes_both_routers_and_replicas(rendered):
     result = subprocess.run([str(static_tool("promtool")), "check", "config", "--lint-fatal", str(config)], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    jobs = {job["job_name"]: job["static_configs"][0]["targets"] for job in yaml.safe_load(config.read_text())["scrape_configs"]}
+    jobs = {job["job_name"]: job["static_configs"][0]["targets"]
+            for job in yaml.safe_load(config.read_text())["scrape_configs"]}
     assert jobs == {"router": ["router:8080", "router-2:8080"], "triton": ["triton:8002", "triton-2:8002"]}

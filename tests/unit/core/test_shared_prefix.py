@@ -2,8 +2,12 @@
 against the full prompt, single, streamed or batched, and the snapshot is only ever read; architectures the
 int8 engine does not support fall back to fp32 transformers and say so."""
 
+import itertools
+from types import SimpleNamespace
+
 import pytest
 import torch
+from cagflow.core import engine as engine_module
 from cagflow.core.documents import parse_file
 from cagflow.core.engine import Answer, Engine, SnapshotMismatch
 from cagflow.core.shared_prefix import SharedPrefixDecoder, supports
@@ -88,19 +92,35 @@ def test_batch_is_token_identical_to_one_question_at_a_time(engine_and_snapshots
         assert 0 < answer.ttft_s <= answer.total_s and answer.snapshot_key == str(snapshot.key)
 
 
-def test_rows_of_a_batch_finish_independently(engine_and_snapshots):
-    """One row's stop token ends it early while the others keep decoding, still exactly."""
+def test_rows_of_a_batch_finish_independently(engine_and_snapshots, monkeypatch):
+    """One row's stop token ends it early while the others keep decoding, still exactly; and each row's ttft_s
+    and total_s are read at its own first and last step, on a clock that ticks once a reading (answer_batch
+    reads it once per step), so that they count the steps the row waited."""
     base, snapshot, _ = engine_and_snapshots
     stop_token = base.answer(QUESTIONS[0], snapshot=snapshot).token_ids[2]
     engine = Engine(base.loaded, base.max_context_tokens, base.max_new_tokens, base.question_budget_tokens)
     engine.eos_ids = base.eos_ids | {stop_token}
-    answers = engine.answer_batch(QUESTIONS, snapshot, max_new_tokens=10)
+    steps: list[set[int]] = []
+    greedy_rows = engine._greedy_rows
+
+    def recording(*args, **kwargs):
+        for step in greedy_rows(*args, **kwargs):
+            steps.append(set(step))
+            yield step
+
+    with monkeypatch.context() as patched:
+        patched.setattr(engine, "_greedy_rows", recording)
+        patched.setattr(engine_module, "time", SimpleNamespace(perf_counter=itertools.count().__next__))
+        answers = engine.answer_batch(QUESTIONS, snapshot, max_new_tokens=10)
     assert answers[0].finish_reason == "eos" and len(answers[0].token_ids) == 2
     for question, answer in zip(QUESTIONS, answers):
         alone = engine.answer(question, snapshot=snapshot, max_new_tokens=10, reuse_cache=False)
         assert (answer.token_ids, answer.finish_reason) == (alone.token_ids, alone.finish_reason)
     assert any(answer.finish_reason == "length" and len(answer.token_ids) == 10 for answer in answers)
-    assert answers[0].total_s < max(answer.total_s for answer in answers)
+    ran = [[number for number, rows in enumerate(steps, 1) if row in rows] for row in range(len(QUESTIONS))]
+    assert [len(numbers) for numbers in ran] == [len(a.token_ids) + (a.finish_reason == "eos") for a in answers]
+    assert [(answer.ttft_s, answer.total_s) for answer in answers] == [(numbers[0], numbers[-1]) for numbers in ran]
+    assert answers[0].total_s < max(answer.total_s for answer in answers) == len(steps)
 
 
 def test_snapshot_tensors_are_never_written_or_copied(engine_and_snapshots):
@@ -164,7 +184,8 @@ def test_other_architectures_fall_back_to_the_transformers_cache(tmp_path, tiny_
     assert "not supported by the int8 engine" in caplog.text and engine.recipe == "fp32"
     assert not supports(engine.model) and engine.prefix_decoder is None and engine.fast is None
     entry = corpus.tier("fixed")[1]
-    snapshot = engine.precompute(engine.split(entry.doc_id, entry.version, parse_file(corpus.file(entry), entry.title))[0])
+    part = engine.split(entry.doc_id, entry.version, parse_file(corpus.file(entry), entry.title))[0]
+    snapshot = engine.precompute(part)
     batch = engine.answer_batch(QUESTIONS[:2], snapshot)
     for question, answer in zip(QUESTIONS[:2], batch):
         assert answer.token_ids == engine.answer(question, snapshot=snapshot, reuse_cache=False).token_ids

@@ -16,7 +16,14 @@ def chunk(doc_id="guide", version="1.0.0", n=0, text="Port 8443 serves the conso
 
 
 def test_good_chunks_pass():
-    validate_chunks([chunk(n=0), chunk(n=1), chunk("faq", n=0)], ["guide", "faq"], max_tokens=200)
+    """They pass all ten checks; the same rows with one more expected document fail that one check alone, so
+    the other nine did run on them."""
+    good = [chunk(n=0), chunk(n=1), chunk("faq", n=0)]
+    validate_chunks(good, ["guide", "faq"], max_tokens=200)
+    with pytest.raises(ValidationFailed) as failure:
+        validate_chunks(good, ["guide", "faq", "notes"], max_tokens=200)
+    assert failure.value.failures == ["every manifest document has chunks: missing: notes"]
+    assert str(failure.value).startswith("chunks validation failed: 1 of 10 checks")
 
 
 def test_a_document_without_chunks_is_named_with_its_reason():
