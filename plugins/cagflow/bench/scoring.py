@@ -17,8 +17,8 @@ from typing import Iterable, Sequence
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 _PUNCTUATION = set(string.punctuation)
-# CMRC 2018's evaluation script drops these before comparing (plus ASCII punctuation written as words).
-_CMRC_PUNCTUATION = set("-:_*^/\\~`+=，。：？！“”；’《》……·、「」（）－～『』") | {"……"}
+# CMRC 2018's evaluation script drops these characters before comparing (its "……" is two of them).
+_CMRC_PUNCTUATION = set("-:_*^/\\~`+=，。：？！“”；’《》……·、「」（）－～『』")
 _HAN = re.compile(r"[\u4e00-\u9fa5]")
 _LATIN_TOKEN = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 
