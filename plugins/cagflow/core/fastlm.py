@@ -536,8 +536,11 @@ class FastLM:
             q = (rotate(q) * self.scaling).to(torch.bfloat16).view(rows, width, c.kv_heads, c.groups, c.head_dim)
             sk[index][row_index, :, slots] = rotate(k).to(torch.bfloat16).view(rows, width, c.kv_heads, c.head_dim)
             sv[index][row_index, :, slots] = v.to(torch.bfloat16).view(rows, width, c.kv_heads, c.head_dim)
-            out = self._torch_attend(q, pk[index] if pk else None, pv[index] if pv else None, sk[index], sv[index],
-                                     start)
+            # one row at a time: a bf16 matmul's summation order can depend on its length, so a row's keys are
+            # never padded to a longer row's (batched rows stay bitwise equal to single answers)
+            out = torch.cat([self._torch_attend(q[r:r + 1], pk[index] if pk else None, pv[index] if pv else None,
+                                                sk[index][r:r + 1], sv[index][r:r + 1], start[r:r + 1])
+                             for r in range(rows)])
             x += mm(out.view(rows * width, -1), layer.w_o, layer.s_o).float()
             gu = mm(self._rmsnorm(x, layer.ln2), layer.w_gu, layer.s_gu).float()
             act = (F.silu(gu[:, :c.intermediate]) * gu[:, c.intermediate:]).to(torch.bfloat16)
