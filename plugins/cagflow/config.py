@@ -303,6 +303,9 @@ class PrecomputeConfig(_Section):
     via: Literal["local", "triton"] = "local"
     schedule: str = "0 2 * * *"
     parallel_parts: int = Field(1, ge=1)  # parts computed at once per run; on one machine each uses every core
+    # torch threads of a local precompute (via=local); 0 = the worker's cores divided by parallel_parts.
+    # Precompute runs at low-peak hours, so it takes the cores serving leaves idle (README "Thread policy").
+    threads: int = Field(0, ge=0)
     # Triton's HTTP address (host:port): cag_precompute when via=triton, and the cag_llm reload after a
     # release is published (None: serving is not asked, it still follows releases/current.json).
     triton_url: str | None = "127.0.0.1:8000"

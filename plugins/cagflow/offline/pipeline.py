@@ -16,6 +16,7 @@ import base64
 import hashlib
 import json
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -117,9 +118,16 @@ def _engine(model_settings: str) -> Engine:
     return Engine.from_config(ModelConfig.model_validate_json(model_settings))
 
 
+def precompute_threads(config: Config) -> int:
+    """Threads of a local precompute: ``precompute.threads``, or this worker's cores shared by the parts
+    that run at once. Results do not depend on it, so snapshot keys do not either."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return config.precompute.threads or max(1, cores // config.precompute.parallel_parts)
+
+
 def engine_for(config: Config) -> Engine:
-    """One loaded model per worker process and model configuration."""
-    return _engine(config.model.model_dump_json())
+    """One loaded model per worker process and model configuration, on the precompute's threads."""
+    return _engine(config.model.model_copy(update={"threads": precompute_threads(config)}).model_dump_json())
 
 
 def _triton_call(config: Config, model: str, timeout_s: float, **values: str | bool) -> dict[str, str]:

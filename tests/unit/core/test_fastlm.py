@@ -12,7 +12,10 @@ from safetensors.torch import save as st_save
 
 from cagflow.core import fastlm
 
-BACKENDS = ["torch"] + (["native"] if fastlm.native_kernels() is not None else [])
+# (backend, matmul): the torch backend's two kernels, and the native one where the CPU has it
+KERNELS = [("torch", "int8pack"), ("torch", "f32wide")] + (
+    [("native", "native")] if fastlm.native_kernels() is not None else [])
+BACKENDS = [backend for backend, _ in KERNELS]
 
 
 def _tiny(kind: str):
@@ -41,10 +44,11 @@ def tiny_model(request):
     return _tiny(request.param)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=KERNELS, ids=["-".join(k) for k in KERNELS])
 def tiny(request, tiny_model):
-    # a small prefill block so the prefix spans several blocks
-    return fastlm.FastLM.from_hf_model(tiny_model, backend=request.param, prefill_block=128), tiny_model
+    # a small prefill block so the prefix spans several blocks (f32wide: prefix blocks >= WIDE_BLOCK are wide)
+    backend, matmul = request.param
+    return fastlm.FastLM.from_hf_model(tiny_model, backend=backend, matmul=matmul, prefill_block=128), tiny_model
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -255,6 +259,27 @@ def test_int8pack_rows_independent_of_batch_and_threads():
         torch.set_num_threads(threads)
 
 
+def test_f32wide_gemms_do_not_depend_on_the_thread_count():
+    """f32wide relies on MKL's strict reproducible mode: without it these shapes (a decode-like attention over
+    4k keys, a projection with few output channels) give other bits on 2 threads than on 1."""
+    assert fastlm._mkl_error is None, fastlm._mkl_error
+    generator = torch.Generator().manual_seed(3)
+    queries, keys = torch.randn(1, 6, 4096, generator=generator), torch.randn(1, 4096, 128, generator=generator)
+    w, s = fastlm.quantize_rows(torch.randn(37, 128, generator=generator))
+    x = torch.randn(3072, 128, generator=generator).bfloat16()
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append((torch.bmm(queries, keys), fastlm._widened_mm(x, w, s)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) and torch.equal(c, d) for (a, c), (b, d) in zip(results, results[1:]))
+    torch.testing.assert_close(results[0][1].float(), torch.ops.aten._weight_int8pack_mm(x, w, s).float(),
+                               atol=0.02, rtol=0.01)
+
+
 # ---- the real SmolLM2 ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -359,7 +384,8 @@ def test_prepared_weights_are_mapped_from_the_file_and_answer_bitwise_the_same(t
     weights = [t for t in mapped._named_weights().values() if t.numel()]
     assert all(start <= t.data_ptr() < end for t in weights)  # views of the file's pages, no private copies
     with pytest.raises(ValueError, match="holds weights for"):
-        fastlm.FastLM.load(tmp_path / "model", tmp_path / "w.fastlm", backend=lm.backend, prefill_block=256)
+        fastlm.FastLM.load(tmp_path / "model", tmp_path / "w.fastlm", backend=lm.backend, matmul=lm.matmul,
+                            prefill_block=256)
 
 
 def test_prepared_weights_are_written_once_per_model_and_recipe(tiny_model, tmp_path, monkeypatch):
