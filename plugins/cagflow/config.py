@@ -325,6 +325,21 @@ class MaintenanceConfig(_Section):
     unused_days: float = Field(14.0, ge=0)
 
 
+class RulesConfig(_Section):
+    """The answer rules (``cagflow.core.rules``; README "Answer rules"): each one can be switched off by name.
+    A switched-off rule is still evaluated and listed in the answer's ``rules_fired``, so one benchmark run
+    measures what each would change (``cagflow bench answers --ablate``)."""
+
+    disabled: list[str] = []
+
+    @field_validator("disabled")
+    @classmethod
+    def _known_rules(cls, value: list[str]) -> list[str]:
+        from .core.rules import check_names
+
+        return check_names(value)
+
+
 class Config(_Section):
     service: ServiceConfig = ServiceConfig()
     cache: CacheConfig = CacheConfig()
@@ -334,6 +349,7 @@ class Config(_Section):
     precompute: PrecomputeConfig = PrecomputeConfig()
     ingest: IngestConfig = IngestConfig()
     maintenance: MaintenanceConfig = MaintenanceConfig()
+    rules: RulesConfig = RulesConfig()
 
 
 def _set_path(tree: dict[str, Any], dotted: list[str], value: Any) -> None:

@@ -48,7 +48,7 @@ ANSWERABLE_THRESHOLD = 0.8  # e5 cosines: related text 0.85 and up
 # The answer record as the README documents it (tests/unit/client/test_cli.py holds `ask --local` to it).
 ANSWER_FIELDS = {"answer", "answered", "decline_reason", "route", "route_reason", "cache_hit", "fallback_reason",
                  "snapshot", "citations", "suggestions", "unsupported_figures", "scope_score", "best_score",
-                 "relevance", "answer_source", "release_id", "finish_reason", "timings_ms", "tokens", "request_id"}
+                 "relevance", "answer_source", "release_id", "finish_reason", "timings_ms", "tokens", "request_id", "rules_fired"}
 
 
 class RouterError(RuntimeError):

@@ -95,7 +95,7 @@ def full_prompt_answerer(config: Config, max_new_tokens: int) -> Callable[[QAIte
 
     store = open_store(config.cache.state_store, config.cache.s3)
     release = load_release(store, None)
-    engine = Engine.from_config(config.model)
+    engine = Engine.from_config(config.model, config.rules.disabled)
     engine.answer("Hello?", max_new_tokens=1)
 
     def answer(item: QAItem) -> dict:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..config import CACHE_HOME, Config
 from . import scoring
+from ..core.rules import RULES
 from .datasets import SPLITS, Dataset, DatasetError, DatasetQuestion, load_dataset, merged_manifest
 from .report import save_report
 
@@ -38,8 +39,8 @@ def _reply_fields(reply: dict, seconds: float) -> dict:
             "model_answer": reply.get("model_answer"), "route": reply.get("route"),
             "cache_doc_id": snapshot.get("doc_id"),
             "sources": sorted(cited | ({snapshot["doc_id"]} if snapshot.get("doc_id") else set())),
-            "decline_reason": reply.get("decline_reason"), "seconds": seconds,
-            "ttft_s": (reply.get("timings_ms") or {}).get("ttft", 0.0) / 1000,
+            "decline_reason": reply.get("decline_reason"), "rules_fired": reply.get("rules_fired", []),
+            "seconds": seconds, "ttft_s": (reply.get("timings_ms") or {}).get("ttft", 0.0) / 1000,
             "computed": reply.get("answer_source") in (None, "computed")}
 
 
@@ -133,6 +134,54 @@ def summarise(rows: list[dict]) -> dict:
     return {"questions": len(rows), "table": table, "wrong_document_cache_routes": wrong_document}
 
 
+def ablation(rows: list[dict], questions: dict[str, DatasetQuestion], route: str = "auto") -> dict:
+    """What each answer rule (``core.rules``) did to the answers of ``route``, from the rules each record says
+    fired. A decline rule that decided an answer alone (no other decline rule held) gave away the model's
+    text (``model_answer``): scored as if shown, it is a right answer lost, a wrong answer stopped, or an
+    unanswerable question caught; the router's gate stops the model before it answers, so its answerable
+    declines are counted, not scored. A re-ask replaced a decline: a right answer won, a wrong one made, or an
+    unanswerable question answered. ``net``: the change in right answers the rule brings."""
+    table = {}
+    for name, rule in RULES.items():
+        effect = Counter()
+        for row in rows:
+            asked = row.get(route)
+            if not asked or name not in asked.get("rules_fired", []):
+                continue
+            question = questions[row["id"]]
+            effect["fired"] += 1
+            if rule.acts == "reask":
+                if not question.answerable:
+                    effect["unanswerable_answered" if asked["answered"] else "declined_again"] += 1
+                else:
+                    effect["right_won" if asked["right"] else "wrong_made" if asked["answered"]
+                           else "declined_again"] += 1
+                continue
+            others = [other for other in asked["rules_fired"] if other != name and RULES[other].acts != "reask"]
+            if asked["answered"] or asked.get("decline_reason") != name or others:
+                continue  # switched off, or another rule declines it too
+            effect["decided"] += 1
+            if not question.answerable:
+                effect["unanswerable_caught"] += 1
+            elif rule.acts == "gate":
+                effect["answerable_declined_unasked"] += 1
+            elif scoring.contains_gold(question.answers, asked.get("model_answer") or "", question.language):
+                effect["right_lost"] += 1
+            else:
+                effect["wrong_stopped"] += 1
+        net = (effect["right_won"] - effect["unanswerable_answered"] if rule.acts == "reask"
+               else effect["unanswerable_caught"] - effect["right_lost"])
+        table[name] = {"acts": rule.acts, **effect, "net": net}
+    return table
+
+
+def print_ablation(title: str, table: dict) -> None:
+    print(f"\n{title}: what each rule did (net: right answers it adds; decline rules: when it decided alone)")
+    for name, effect in table.items():
+        details = ", ".join(f"{key} {value}" for key, value in effect.items() if key not in ("acts", "net"))
+        print(f"  {name:<24} {effect['acts']:<7} net {effect['net']:+d}  {details or 'never fired'}")
+
+
 def print_summary(title: str, summary: dict) -> None:
     print(f"\n{title}: {summary['questions']} questions; cells: right / asked (share), declined, answers with "
           "unsupported figures, mean F1, p50 TTFT")
@@ -220,12 +269,17 @@ def run(config: Config, args: argparse.Namespace) -> int:
               "thresholds": {"in_scope": config.service.in_scope_threshold,
                              "answerable": config.service.answerable_threshold,
                              "relevance": config.model.relevance.model_dump()},
+              "disabled_rules": config.rules.disabled,
               "splits": {split: summarise([row for row in rows if row["split"] == split]) for split in SPLITS},
+              "ablation": {split: ablation([row for row in rows if row["split"] == split],
+                                           {question.id: question for question in questions}) for split in SPLITS},
               "rows": rows}
     print(f"{dataset.name}: {config.model.path} through {client.base_url} ({MAX_NEW_TOKENS} new tokens at most)")
     for split in SPLITS:
         if report["splits"][split]["questions"]:
             print_summary(f"{split} half", report["splits"][split])
+            if getattr(args, "ablate", False):
+                print_ablation(f"{split} half, auto route", report["ablation"][split])
     saved = save_report(f"answers-{dataset.name}", report)
     if saved:
         print(f"written {saved}")

@@ -20,7 +20,7 @@ def _store(config: Config, url: str | None, role: str):
 def _engine(config: Config):
     from ..core.engine import Engine
 
-    return Engine.from_config(config.model)
+    return Engine.from_config(config.model, config.rules.disabled)
 
 
 def cmd_precompute(args: argparse.Namespace, config: Config) -> int:
@@ -72,7 +72,7 @@ def cmd_ask_local(args: argparse.Namespace, config: Config) -> int:
                         "total": round(answer.total_s * 1000, 2)},
             prompt_tokens=answer.prompt_tokens, reused_tokens=answer.reused_tokens,
             generated_tokens=len(answer.token_ids), unsupported_figures=answer.unsupported,
-            relevance=answer.relevance), indent=2))
+            relevance=answer.relevance, rules_fired=answer.rules_fired), indent=2))
     else:
         print(answer.text)
         print(f"[{answer.route} · {doc_id} · {answer.reused_tokens}/{answer.prompt_tokens} prompt tokens reused · "
@@ -509,6 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bench answers --dataset: ask only this half (split by document)")
     engine.add_argument("--no-ingest", action="store_true",
                         help="bench answers --dataset: fail instead of adding missing documents to the stack")
+    engine.add_argument("--ablate", action="store_true",
+                        help="bench answers --dataset: print what each answer rule did on the auto route (from the "
+                             "rules each answer record says fired; always in the result JSON)")
     load = bench.add_argument_group("options of `bench load`")
     load.add_argument("--clients", type=int, help="clients asking at once (default: 50 in the burst of `bench "
                                                   "load`, 4 during each scenario of `bench faults`)")

@@ -207,7 +207,7 @@ def run_local_demo(config: Config, questions: int, max_new_tokens: int) -> int:
     manifest = Path(config.corpus.manifest)
     store = open_store(config.cache.state_store, config.cache.s3, role="writer")  # it precomputes
     print(f"loading model {config.model.path} ...", file=sys.stderr)
-    engine = Engine.from_config(config.model)
+    engine = Engine.from_config(config.model, config.rules.disabled)
     release, _ = precompute_with_progress(engine, store, str(manifest))
     items = _pick_in_scope(manifest.parent / "qa.jsonl", release.doc_ids, questions)
     engine.answer("Hello?", max_new_tokens=1)  # the first forward pass pays one-off set-up: keep it out of the timings

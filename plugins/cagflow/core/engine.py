@@ -18,14 +18,14 @@ import math
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
 
 from ..config import ModelConfig, RelevanceConfig
 from ..errors import CagflowError
-from . import grounding
+from . import grounding, rules
 from .documents import ParsedDocument, Section
 from .keys import validate_doc_id, validate_version
 from .model import LoadedModel, load_model
@@ -80,6 +80,7 @@ class Answer:
     relevance: float | None = None  # the model's P("yes") that its text answers the question (None: not asked)
     not_relevant: bool = False  # declined because that probability was below the engine's threshold
     reasked: bool = False  # the model declined, judged its text to answer after all, and was asked again
+    rules_fired: tuple[str, ...] = ()  # the rules (core.rules) that held for this answer, switched off or not
 
     @property
     def decline_reason(self) -> str | None:
@@ -104,11 +105,11 @@ def _source(snapshot: Snapshot | None, context: Sequence[Passage] | None) -> str
     return "\n\n".join(texts) if texts else None
 
 
-def _grounded(text: str, source: str | None, question: str, **fields) -> Answer:
+def _grounded(text: str, source: str | None, question: str, disabled: frozenset[str], **fields) -> Answer:
     """The answer with its grounding verdict against the text it was answered from (none: a question alone)."""
-    verdict = grounding.check(text, source, question)
+    verdict = grounding.check(text, source, question, disabled)
     return Answer(text, **fields, answered=verdict.answered, unsupported=verdict.unsupported,
-                  misses=verdict.misses)
+                  misses=verdict.misses, rules_fired=verdict.fired)
 
 
 @dataclass
@@ -128,9 +129,9 @@ class _Decoded:
             yield text[len(self.emitted):]
 
     def answer(self, tokenizer, snapshot: Snapshot | None, context: Sequence[Passage] | None, question: str,
-               route: str, prompt_tokens: int, reused: int) -> Answer:
+               route: str, prompt_tokens: int, reused: int, disabled: frozenset[str]) -> Answer:
         text = tokenizer.decode(self.tokens, skip_special_tokens=True).strip()
-        return _grounded(text, _source(snapshot, context), question, route=route, prompt_tokens=prompt_tokens,
+        return _grounded(text, _source(snapshot, context), question, disabled, route=route, prompt_tokens=prompt_tokens,
                          reused_tokens=reused, ttft_s=self.ttft_s, total_s=0.0, finish_reason=self.finish,
                          token_ids=self.tokens, snapshot_key=str(snapshot.key) if snapshot is not None else None)
 
@@ -139,7 +140,8 @@ class Engine:
     """Owns a loaded model; thread-compatible for reads of shared snapshots (torch releases the GIL)."""
 
     def __init__(self, loaded: LoadedModel, max_context_tokens: int = 8192, max_new_tokens: int = 128,
-                 question_budget_tokens: int = 256, relevance: RelevanceConfig | None = None):
+                 question_budget_tokens: int = 256, relevance: RelevanceConfig | None = None,
+                 disabled_rules: Iterable[str] = ()):
         self.loaded = loaded
         self.model = loaded.model
         self.fast = loaded.fast
@@ -151,14 +153,16 @@ class Engine:
         self.max_new_tokens = max_new_tokens
         self.question_budget_tokens = question_budget_tokens
         self.relevance_check = relevance if relevance is not None and relevance.enabled else None
+        self.disabled_rules = frozenset(rules.check_names(list(disabled_rules)))
         self.eos_ids = loaded.eos_token_ids
         self.prefix_decoder = (SharedPrefixDecoder(self.model)
                                if self.fast is None and supports_shared_prefix(self.model) else None)
 
     @classmethod
-    def from_config(cls, model: ModelConfig) -> "Engine":
+    def from_config(cls, model: ModelConfig, disabled_rules: Iterable[str] = ()) -> "Engine":
+        """The engine of ``model``; ``disabled_rules``: the config's ``rules.disabled``."""
         return cls(load_model(model.path, model.threads, model.precision), model.max_context_tokens,
-                   model.max_new_tokens, model.question_budget_tokens, model.relevance)
+                   model.max_new_tokens, model.question_budget_tokens, model.relevance, disabled_rules)
 
     @property
     def fingerprint(self) -> str:
@@ -389,8 +393,10 @@ class Engine:
         prefix = self._fast_prefix(ids, reused, prefix_len, snapshot) if self.fast is not None else None
         decoded = _Decoded(started)
         yield from self._decode(decoded, ids, reused, snapshot, budget, prefix, hold=wording(question).declined)
-        answer = decoded.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused)
-        if snapshot is not None and context and answer.decline_reason == "model_declined":
+        answer = decoded.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused,
+                                self.disabled_rules)
+        if snapshot is not None and context and answer.decline_reason == "model_declined" and self._applies(
+                answer, "reask_document_alone"):
             # Newer passages are there to override a fact of the document; when the model finds no answer with
             # them, they may have drawn it off one the document holds ("where does yfctl put its diagnostics
             # bundle?" declined next to a release note on `yfctl backup restore`). The document alone is asked,
@@ -399,7 +405,9 @@ class Engine:
             route, ids, reused, _ = self._plan(question, snapshot, None, reuse_cache)
             decoded = _Decoded(started)
             yield from self._decode(decoded, ids, reused, snapshot, budget, prefix, hold=wording(question).declined)
-            answer = decoded.answer(self.tokenizer, snapshot, None, question, route, len(ids), reused)
+            answer = decoded.answer(self.tokenizer, snapshot, None, question, route, len(ids), reused,
+                                    self.disabled_rules)
+            answer.rules_fired = ("reask_document_alone", *answer.rules_fired)
         if route != "question-only" and self._check_relevance(answer, question, snapshot, context, reused, prefix):
             for item in self._answer_again(answer, question, snapshot, context, reuse_cache, budget, prefix, started):
                 if isinstance(item, Answer):
@@ -424,8 +432,9 @@ class Engine:
         self._check_room(route, ids, reused, budget)
         again = _Decoded(started)
         yield from self._decode(again, ids, reused, snapshot, budget, prefix)
-        answer = again.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused)
+        answer = again.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused, self.disabled_rules)
         answer.relevance, answer.reasked = declined.relevance, True
+        answer.rules_fired = (*declined.rules_fired, *answer.rules_fired)
         yield answer
 
     def _excerpt_plan(self, question: str, snapshot: Snapshot | None, context: Sequence[Passage] | None,
@@ -474,9 +483,15 @@ class Engine:
         if not (answer.answered and decline_below > 0 or answer.decline_reason == "model_declined" and reask_from <= 1):
             return False
         answer.relevance = self.relevance(question, snapshot, context, reused, prefix)
-        if answer.answered and answer.relevance < decline_below:
+        if answer.answered and answer.relevance < decline_below and self._applies(answer, "not_in_documents"):
             answer.answered, answer.not_relevant = False, True
-        return not answer.answered and not answer.not_relevant and answer.relevance >= reask_from
+        return (not answer.answered and not answer.not_relevant and answer.relevance >= reask_from
+                and self._applies(answer, "reask_relevant_decline"))
+
+    def _applies(self, answer: Answer, rule: str) -> bool:
+        """Record that ``rule`` holds for ``answer``; whether it is switched on (``rules.disabled``)."""
+        answer.rules_fired = (*answer.rules_fired, rule)
+        return rule not in self.disabled_rules
 
     def answer(self, question: str, snapshot: Snapshot | None = None, context: Sequence[Passage] | None = None,
                max_new_tokens: int | None = None, reuse_cache: bool = True) -> Answer:
@@ -527,7 +542,7 @@ class Engine:
                 else:
                     generated[row].append(token)
         answers = [_grounded(self.tokenizer.decode(tokens, skip_special_tokens=True).strip(), snapshot.system_prompt,
-                             questions[row], route="cache", prompt_tokens=len(ids), reused_tokens=reused,
+                             questions[row], self.disabled_rules, route="cache", prompt_tokens=len(ids), reused_tokens=reused,
                              ttft_s=ttft[row], total_s=finished[row], finish_reason=finish[row], token_ids=tokens,
                              snapshot_key=str(snapshot.key))
                    for row, ((_, ids, reused, _), tokens) in enumerate(zip(plans, generated))]

@@ -28,16 +28,16 @@ Backends: ``native`` (C++/AVX-512-BF16 kernels from ``fastlm_kernels.cpp``, comp
 torch's cpp_extension, ~40 s once, cached under ``$CAGFLOW_HOME/kernels``) and ``torch`` (pure PyTorch, for
 CPUs without avx512_bf16 or without a compiler: slower, numerically close to but not bitwise equal to
 ``native``). Each is deterministic and self-consistent; a snapshot must be used with the recipe that produced
-it. The torch backend's ``matmul="f32wide"`` (its default where MKL is torch's BLAS) computes blocks of at
-least ``WIDE_BLOCK`` tokens a row (prefix and long question blocks) with fp32 GEMMs: the int8 weights are
-widened to fp32 per block (exact), activations are bf16 values held in fp32, and attention runs in fp32
-(scores stay fp32, as in the native kernels); narrower blocks (decoding, short questions) keep
-_weight_int8pack_mm and bf16 attention. On AVX2 this is 3-5x faster than int8pack + bf16 bmm for prefill.
+it. The torch backend's ``matmul="f32"`` (its default where MKL is torch's BLAS) runs attention in fp32 on
+the bf16 K/V (scores stay fp32, as in the native kernels) and computes blocks of at least ``WIDE_BLOCK``
+tokens a row (prefix blocks, long questions) with fp32 GEMMs on int8 weights widened per block (exact);
+narrower blocks (decoding, short questions) keep _weight_int8pack_mm. On AVX2, where MKL's bf16 GEMM runs at
+a few GFLOPS, this is 2.7x the prefill speed and 2.5x the cache-hit TTFT of ``int8pack`` (bf16 attention).
 The choice depends on a block's width only, so a cache hit and a full prompt still run identical blocks.
 MKL's GEMMs can split a reduction across threads, so this module switches MKL to strict conditional
 numerical reproducibility (``mkl_cbwr_set(AUTO | STRICT)``, as ``MKL_CBWR=AUTO,STRICT`` would) on import;
 results then do not depend on the thread count. Where that is impossible (MKL already used by the process,
-or another BLAS) ``f32wide`` is refused and ``auto`` picks ``int8pack``.
+or another BLAS) ``f32`` is refused and ``auto`` picks ``int8pack``.
 
 Weights: the first load of a model quantises its checkpoint and writes the prepared tensors to one file
 (``prepared_weights``); every process then maps that file read-only instead of holding its own copy, so
@@ -75,7 +75,7 @@ log = logging.getLogger("cagflow.engine")
 RECIPE_VERSION = "fastlm-v1"  # bump when the numerics change: snapshots of another recipe are not reusable
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 _KERNEL_SOURCE = Path(__file__).with_name("fastlm_kernels.cpp")
-WIDE_BLOCK = 64  # tokens a row from which the torch backend's f32wide computes a block with fp32 GEMMs
+WIDE_BLOCK = 64  # tokens a row from which the torch backend's f32 matmul computes a block with fp32 GEMMs
 # -fopenmp: at::parallel_for is inlined into the extension; without it the kernels run on one thread. The
 # extension then links libgomp.so.1, which resolves to the copy torch has already loaded (one runtime).
 _NATIVE_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
@@ -154,7 +154,8 @@ def _strict_mkl() -> str | None:
         get, set_ = library.mkl_serv_cbwr_get, library.mkl_serv_cbwr_set
     except (OSError, AttributeError):
         return "torch's BLAS is not MKL"
-    if get(ctypes.c_int(_MKL_CBWR_ALL)) & _MKL_CBWR_STRICT or set_(ctypes.c_int(_MKL_CBWR_AUTO | _MKL_CBWR_STRICT)) == 0:
+    strict = _MKL_CBWR_AUTO | _MKL_CBWR_STRICT
+    if get(ctypes.c_int(_MKL_CBWR_ALL)) & _MKL_CBWR_STRICT or set_(ctypes.c_int(strict)) == 0:
         return None
     return ("MKL ran before cagflow.core.fastlm was imported, so its strict reproducible mode could not be set "
             "(set MKL_CBWR=AUTO,STRICT in the environment, or import cagflow.core.fastlm first)")
@@ -213,7 +214,7 @@ def recipe_for(hf_config, prefill_block: int = 512) -> str:
 
 
 def _torch_matmul() -> str:
-    return "int8pack" if _mkl_error else "f32wide"
+    return "int8pack" if _mkl_error else "f32"
 
 
 def _recipe(backend: str, matmul: str, prefill_block: int) -> str:
@@ -367,10 +368,10 @@ class FastLM:
         self._k = native_kernels() if backend == "native" else None
         if matmul == "auto":
             matmul = "native" if self._k is not None else _torch_matmul()
-        if matmul not in ("native", "int8pack", "f32wide") or (matmul == "native") != (self._k is not None):
-            raise ValueError("matmul must be native with the native backend, int8pack or f32wide with torch")
-        if matmul == "f32wide" and _mkl_error:
-            raise ValueError(f"matmul f32wide needs MKL's strict reproducible mode: {_mkl_error}")
+        if matmul not in ("native", "int8pack", "f32") or (matmul == "native") != (self._k is not None):
+            raise ValueError("matmul must be native with the native backend, int8pack or f32 with torch")
+        if matmul == "f32" and _mkl_error:
+            raise ValueError(f"matmul f32 needs MKL's strict reproducible mode: {_mkl_error}")
         self.matmul = matmul
         self._native_mm = matmul == "native"
         self.cos, self.sin = rope
@@ -557,8 +558,8 @@ class FastLM:
 
     def _torch_layers(self, x, cos, sin, pk, pv, sk, sv, start, rows, width) -> None:
         c = self.config
-        wide = self.matmul == "f32wide" and width >= WIDE_BLOCK
-        mm = _widened_mm if wide else torch.ops.aten._weight_int8pack_mm
+        f32 = self.matmul == "f32"
+        mm = _widened_mm if f32 and width >= WIDE_BLOCK else torch.ops.aten._weight_int8pack_mm
         half = c.head_dim // 2
         q_width, kv_width = c.heads * c.head_dim, c.kv_heads * c.head_dim
         row_index = torch.arange(rows)[:, None]
@@ -581,19 +582,19 @@ class FastLM:
             # one row at a time: a bf16 matmul's summation order can depend on its length, so a row's keys are
             # never padded to a longer row's (batched rows stay bitwise equal to single answers)
             out = torch.cat([self._torch_attend(q[r:r + 1], pk[index] if pk else None, pv[index] if pv else None,
-                                                sk[index][r:r + 1], sv[index][r:r + 1], start[r:r + 1], wide)
+                                                sk[index][r:r + 1], sv[index][r:r + 1], start[r:r + 1], f32)
                              for r in range(rows)])
             x += mm(out.view(rows * width, -1), layer.w_o, layer.s_o).float()
             gu = mm(self._rmsnorm(x, layer.ln2), layer.w_gu, layer.s_gu).float()
             act = (F.silu(gu[:, :c.intermediate]) * gu[:, c.intermediate:]).to(torch.bfloat16)
             x += mm(act, layer.w_down, layer.s_down).float()
 
-    def _torch_attend(self, q, pk, pv, sk, sv, start, wide: bool) -> torch.Tensor:
+    def _torch_attend(self, q, pk, pv, sk, sv, start, f32: bool) -> torch.Tensor:
         """q [R, W, KV, G, D] bf16 -> [R, W, KV, G, D] bf16: prefix (unmasked) and suffix (causal) softmaxes
         merged by log-sum-exp, statistics in fp32. Scores come out of bf16 bmm (rounded to bf16), or with
-        ``wide`` out of fp32 bmm on the same bf16 values (exact products, fp32 sums: MKL's fp32 GEMM is many
+        ``f32`` out of fp32 bmm on the same bf16 values (exact products, fp32 sums: MKL's fp32 GEMM is many
         times faster than its bf16 one on CPUs without avx512_bf16)."""
-        if wide:
+        if f32:
             q, sk, sv = q.float(), sk.float(), sv.float()
             pk, pv = (pk.float(), pv.float()) if pk is not None else (pk, pv)
         rows, width, kv, groups, dim = q.shape
@@ -612,11 +613,11 @@ class FastLM:
             peak = torch.maximum(peak, prefix_peak)
             prefix_weights = prefix_scores.sub_(peak.transpose(0, 1).reshape(kv, -1, 1)).exp_()
             prefix_sum = prefix_weights.sum(-1, keepdim=True).view(kv, rows, -1, 1).transpose(0, 1)
-            prefix_out = torch.bmm(_bf16_values(prefix_weights, wide), pv).float()
+            prefix_out = torch.bmm(_bf16_values(prefix_weights, f32), pv).float()
             prefix_out = prefix_out.view(kv, rows, -1, dim).transpose(0, 1)
         weights = scores.sub_(peak).exp_()
         total = weights.sum(-1, keepdim=True)
-        out = torch.matmul(_bf16_values(weights, wide), values).float()
+        out = torch.matmul(_bf16_values(weights, f32), values).float()
         if pk is not None and pk.shape[1]:
             total = total + prefix_sum
             out = out + prefix_out
@@ -748,10 +749,10 @@ def _widened_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     return (torch.mm(x.float(), weight.float().t()) * scales.float()).to(torch.bfloat16)
 
 
-def _bf16_values(weights: torch.Tensor, wide: bool) -> torch.Tensor:
+def _bf16_values(weights: torch.Tensor, f32: bool) -> torch.Tensor:
     """Attention weights rounded to bf16, in the dtype of that block's bmm."""
     rounded = weights.to(torch.bfloat16)
-    return rounded.float() if wide else rounded
+    return rounded.float() if f32 else rounded
 
 
 def _keep(sk, sv, lengths, feed, rows: list[int]):

@@ -17,6 +17,9 @@ says what kind of answer it wants:
   question ("How many employees?" answered from "at most 10 Administrator accounts"): ``off_topic_figures``;
 - "Which ...?" (or the name, fingerprint, address ... of something) asked and nothing named that the question
   did not already name ("The chat application is the chat system."): ``no_name``.
+
+Each check is a rule of ``core.rules`` (``unsupported_figures`` is the first): all are evaluated and reported
+in ``Grounding.fired``; only those not switched off decide.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .rules import DECLINE_ORDER
 from .text import sentences
 
 # A run of (ASCII) word characters and joiners holding at least one digit: 8443, E-407, 192.168.77.1/24, 5.1.3,
@@ -224,6 +228,7 @@ class Grounding:
     answered: bool
     unsupported: tuple[str, ...] = ()  # figures of the answer that its source does not contain
     misses: str | None = None  # the answer states no answer to the question: no_quantity, off_topic_figures, no_name
+    fired: tuple[str, ...] = ()  # every rule that holds the answer unsupported, switched off or not
 
     @property
     def reason(self) -> str | None:
@@ -248,29 +253,31 @@ def _in_source(figure: str, text: str) -> bool:
     return bool(re.search(rf"\b{word}\b", text))
 
 
-def check(answer: str, source: str | None, question: str = "") -> Grounding:
+def check(answer: str, source: str | None, question: str = "", disabled: frozenset[str] = frozenset()) -> Grounding:
     """Whether ``answer`` answers from ``source``: not a decline, every identifier the question names is in
     the source, every figure the answer states is in the source as a whole token (``8443`` does not match
     inside ``18443``) or is a plain quantity given by ``question``, with the unit the source writes it with,
     and the answer is of the kind the question asks for (module docstring). Without a source (a question
-    asked alone) only a decline counts."""
+    asked alone) only a decline counts. Rules named in ``disabled`` are reported in ``fired`` but decide
+    nothing."""
     if is_declined(answer) or not answer.strip():
         return Grounding(False)
     if source is None:
         return Grounding(True)
-    if states_no_quantity(answer, question):
-        return Grounding(False, misses="no_quantity")
     text = _normalise(source)
     named = set(identifiers(question))
     given = {figure for figure in figures(question) if _QUANTITY.fullmatch(figure) and figure not in named}
     stated = [*named, *(figure for figure in figures(answer) if figure not in given)]
     missing = tuple(dict.fromkeys([*(figure for figure in stated if not _in_source(figure, text)),
                                    *_wrong_units(_normalise(answer), text, _normalise(question))]))
-    if missing:
-        return Grounding(False, missing)
-    if figures_off_topic(answer, source, question):
-        return Grounding(False, misses="off_topic_figures")
-    if names_nothing(answer, question):
-        return Grounding(False, misses="no_name")
-    return Grounding(True)
+    verdicts = {"no_quantity": states_no_quantity(answer, question), "unsupported_figures": bool(missing),
+                "off_topic_figures": figures_off_topic(answer, source, question),
+                "no_name": names_nothing(answer, question)}
+    fired = tuple(name for name in DECLINE_ORDER if verdicts.get(name))
+    deciding = [name for name in fired if name not in disabled]
+    if not deciding:
+        return Grounding(True, fired=fired)
+    if deciding[0] == "unsupported_figures":
+        return Grounding(False, missing, fired=fired)
+    return Grounding(False, misses=deciding[0], fired=fired)
 

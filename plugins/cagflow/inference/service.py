@@ -72,7 +72,7 @@ class Runtime:
     def load(cls, settings: ServingSettings, role: StoreRole = "reader") -> "Runtime":
         """``role``: answering only reads the store; ``cag_precompute`` writes snapshots and asks for ``writer``."""
         config = load_config(settings.config_file)
-        engine = Engine.from_config(config.model)
+        engine = Engine.from_config(config.model, config.rules.disabled)
         store = open_store(config.cache.state_store, config.cache.s3, role=role)
         return cls(config, engine, store)
 

@@ -83,6 +83,7 @@ class Plan:
     vector: np.ndarray | None = None
     updates: list[SearchHit] = field(default_factory=list)  # newer passages after the snapshot (excerpts)
     timings_ms: dict[str, float] = field(default_factory=dict)
+    rules_fired: list[str] = field(default_factory=list)  # the router's rules (core.rules) that held
 
     @property
     def cached(self) -> bool:
@@ -503,7 +504,10 @@ class Router:
             return False
         if plan.best_score is None:
             plan.best_score = round(self.scope.match(self._embed(plan, query.question)).best_score, 4)
-        return plan.best_score < self.config.service.answerable_threshold
+        if plan.best_score >= self.config.service.answerable_threshold:
+            return False
+        plan.rules_fired.append("no_relevant_passage")
+        return "no_relevant_passage" not in self.config.rules.disabled
 
     def _declined(self, query: Query, request_id: str, plan: Plan, hits: list[SearchHit], fallback: str | None,
                   started: float) -> dict[str, Any]:
@@ -557,6 +561,7 @@ class Router:
         if answered and plan.route == "cache+retrieval" and outputs.get("ROUTE") == "cache":
             plan.route, plan.updates = "cache", []  # declined with the newer passages, answered by the snapshot alone
         relevance = float(outputs.get("RELEVANCE", -1.0))
+        rules_fired = plan.rules_fired + json.loads(outputs.get("RULES_FIRED") or "[]")
         if not answered:
             decline_reason = (decline_reason or outputs.get("DECLINE_REASON")
                               or ("unsupported_figures" if unsupported else "model_declined"))
@@ -593,6 +598,8 @@ class Router:
             metrics.ANSWER_SOURCES.labels(outputs["ANSWER_SOURCE"]).inc()
         if decline_reason:
             metrics.DECLINED.labels(decline_reason).inc()
+        for rule in rules_fired:
+            metrics.RULES_FIRED.labels(rule).inc()
         return answer_record(
             question=query.question, model_answer=model_answer, answered=answered, decline_reason=decline_reason, route=route,
             route_reason=plan.reason, cache_hit=cache_hit, fallback_reason=fallback,
@@ -603,7 +610,7 @@ class Router:
             release_id=outputs.get("RELEASE_ID") or None, finish_reason=outputs.get("FINISH_REASON"),
             timings_ms=timings, prompt_tokens=int(outputs.get("PROMPT_TOKENS", 0)),
             reused_tokens=int(outputs.get("REUSED_TOKENS", 0)),
-            generated_tokens=len(outputs.get("TOKEN_IDS", ())), request_id=request_id)
+            generated_tokens=len(outputs.get("TOKEN_IDS", ())), request_id=request_id, rules_fired=rules_fired)
 
     def _cache_failed(self, plan: Plan, error: TritonUnavailable | TritonRejected) -> str:
         """Record a cache-route failure; returns the fallback reason, or raises when there is no fallback."""

@@ -153,3 +153,26 @@ def test_an_api_error_is_a_wrong_answer_not_a_crash(tmp_path):
     rows = dataset_answers.ask_dataset(Failing(), list(dataset.questions), {}, ("auto",))
     assert rows[0]["auto"]["right"] is False and rows[0]["auto"]["error"] == "triton_unavailable: down"
     assert dataset_answers.summarise(rows)["table"]["en answerable"]["auto"]["errors"] == 1
+
+
+def test_the_ablation_scores_what_each_rule_did_from_the_rules_that_fired(tmp_path):
+    root = _write(tmp_path / "set", [_q("1", "alpha"), _q("2", "beta"), _q("3", None, "near_miss", article="alpha"),
+                                     _q("4", "gamma"), _q("5", None, "unrelated")])
+    dataset = load_dataset(str(root))
+    questions = {question.id: question for question in dataset.questions}
+
+    def asked(answered, right, reason=None, fired=(), model_answer=None):
+        return {"auto": {"answered": answered, "right": right, "decline_reason": reason, "rules_fired": list(fired),
+                         "model_answer": model_answer}}
+
+    rows = [{"id": "1", **asked(False, False, "no_name", ["no_name"], "It is 42.")},  # a right answer lost
+            {"id": "2", **asked(False, False, "no_name", ["no_quantity", "no_name"], "It is 42.")},  # not alone
+            {"id": "3", **asked(False, True, "no_name", ["no_name"], "It is 7.")},  # an unanswerable one caught
+            {"id": "4", **asked(True, True, None, ["reask_relevant_decline"])},  # a re-ask won a right answer
+            {"id": "5", **asked(False, True, "no_relevant_passage", ["no_relevant_passage"])}]
+    table = dataset_answers.ablation(rows, questions)
+    assert table["no_name"] == {"acts": "decline", "fired": 3, "decided": 2, "right_lost": 1,
+                                "unanswerable_caught": 1, "net": 0}
+    assert table["reask_relevant_decline"] == {"acts": "reask", "fired": 1, "right_won": 1, "net": 1}
+    assert table["no_relevant_passage"]["unanswerable_caught"] == 1 and table["no_relevant_passage"]["net"] == 1
+    assert table["off_topic_figures"] == {"acts": "decline", "net": 0}

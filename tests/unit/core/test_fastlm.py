@@ -13,7 +13,7 @@ from safetensors.torch import save as st_save
 from cagflow.core import fastlm
 
 # (backend, matmul): the torch backend's two kernels, and the native one where the CPU has it
-KERNELS = [("torch", "int8pack"), ("torch", "f32wide")] + (
+KERNELS = [("torch", "int8pack"), ("torch", "f32")] + (
     [("native", "native")] if fastlm.native_kernels() is not None else [])
 BACKENDS = [backend for backend, _ in KERNELS]
 
@@ -46,7 +46,7 @@ def tiny_model(request):
 
 @pytest.fixture(scope="module", params=KERNELS, ids=["-".join(k) for k in KERNELS])
 def tiny(request, tiny_model):
-    # a small prefill block so the prefix spans several blocks (f32wide: prefix blocks >= WIDE_BLOCK are wide)
+    # a small prefill block so the prefix spans several blocks (f32: prefix blocks >= WIDE_BLOCK use fp32 GEMMs)
     backend, matmul = request.param
     return fastlm.FastLM.from_hf_model(tiny_model, backend=backend, matmul=matmul, prefill_block=128), tiny_model
 
@@ -259,8 +259,8 @@ def test_int8pack_rows_independent_of_batch_and_threads():
         torch.set_num_threads(threads)
 
 
-def test_f32wide_gemms_do_not_depend_on_the_thread_count():
-    """f32wide relies on MKL's strict reproducible mode: without it these shapes (a decode-like attention over
+def test_f32_gemms_do_not_depend_on_the_thread_count():
+    """The f32 matmul relies on MKL's strict reproducible mode: without it these shapes (a decode-like attention over
     4k keys, a projection with few output channels) give other bits on 2 threads than on 1."""
     assert fastlm._mkl_error is None, fastlm._mkl_error
     generator = torch.Generator().manual_seed(3)

@@ -247,3 +247,25 @@ def test_an_answer_naming_nothing_to_a_which_question_is_declined(answer, questi
 ])
 def test_an_answer_that_names_something_answers_a_which_question(answer, question):
     assert check(answer, POLICY + SOURCE, question).answered
+
+
+def test_every_rule_that_holds_is_reported_and_only_switched_on_ones_decide():
+    question = "How many sensors does one licence pack hold?"
+    answer = "A pack holds 9,999 sensors."  # an invented figure; the question's amount is stated, so no_quantity holds not
+    verdict = check(answer, SOURCE, question)
+    assert not verdict.answered and verdict.reason == "unsupported_figures" and verdict.fired == ("unsupported_figures",)
+    switched_off = check(answer, SOURCE, question, frozenset({"unsupported_figures"}))
+    assert switched_off.answered and switched_off.fired == ("unsupported_figures",) and switched_off.unsupported == ()
+    vague = "Each pack holds many sensors."  # no amount and no name: no_quantity decides
+    assert check(vague, SOURCE, question).reason == "no_quantity"
+    assert check(vague, SOURCE, question, frozenset({"no_quantity"})).answered
+
+
+def test_unknown_rule_names_are_refused_with_the_known_ones():
+    from cagflow.config import Config
+    from cagflow.core.rules import RULES
+
+    with pytest.raises(ValueError, match="unknown rule.*no_such_rule.*no_quantity"):
+        Config.model_validate({"rules": {"disabled": ["no_such_rule"]}})
+    assert Config.model_validate({"rules": {"disabled": ["no_name"]}}).rules.disabled == ["no_name"]
+    assert {rule.acts for rule in RULES.values()} == {"decline", "reask", "gate"}
