@@ -326,7 +326,7 @@ class MaintenanceConfig(_Section):
 
 
 class RulesConfig(_Section):
-    """The answer rules (``cagflow.core.rules``; README "Answer rules"): each one can be switched off by name.
+    """The answer rules (``cagflow.rules``; README "Answer rules"): each one can be switched off by name.
     A switched-off rule is still evaluated and listed in the answer's ``rules_fired``, so one benchmark run
     measures what each would change (``cagflow bench answers --ablate``)."""
 
@@ -335,7 +335,7 @@ class RulesConfig(_Section):
     @field_validator("disabled")
     @classmethod
     def _known_rules(cls, value: list[str]) -> list[str]:
-        from .core.rules import check_names
+        from .rules import check_names
 
         return check_names(value)
 

@@ -16,7 +16,7 @@ PACKAGE = Path(cagflow.__file__).parent
 # Lower layers never import higher ones; packages of one layer do not import each other, except in the
 # top layer (the command line runs the local services and the benchmarks).
 LAYERS = [
-    {"errors"},
+    {"errors", "rules"},
     {"config"},
     {"core"},
     {"store", "search"},

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..config import CACHE_HOME, Config
 from . import scoring
-from ..core.rules import RULES
+from ..rules import RULES
 from .datasets import SPLITS, Dataset, DatasetError, DatasetQuestion, load_dataset, merged_manifest
 from .report import save_report
 
@@ -135,7 +135,7 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def ablation(rows: list[dict], questions: dict[str, DatasetQuestion], route: str = "auto") -> dict:
-    """What each answer rule (``core.rules``) did to the answers of ``route``, from the rules each record says
+    """What each answer rule (``cagflow.rules``) did to the answers of ``route``, from the rules each record says
     fired. A decline rule that decided an answer alone (no other decline rule held) gave away the model's
     text (``model_answer``): scored as if shown, it is a right answer lost, a wrong answer stopped, or an
     unanswerable question caught; the router's gate stops the model before it answers, so its answerable

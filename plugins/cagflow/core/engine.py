@@ -23,9 +23,10 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
+from .. import rules
 from ..config import ModelConfig, RelevanceConfig
 from ..errors import CagflowError
-from . import grounding, rules
+from . import grounding
 from .documents import ParsedDocument, Section
 from .keys import validate_doc_id, validate_version
 from .model import LoadedModel, load_model
@@ -80,7 +81,7 @@ class Answer:
     relevance: float | None = None  # the model's P("yes") that its text answers the question (None: not asked)
     not_relevant: bool = False  # declined because that probability was below the engine's threshold
     reasked: bool = False  # the model declined, judged its text to answer after all, and was asked again
-    rules_fired: tuple[str, ...] = ()  # the rules (core.rules) that held for this answer, switched off or not
+    rules_fired: tuple[str, ...] = ()  # the rules (cagflow.rules) that held for this answer, switched off or not
 
     @property
     def decline_reason(self) -> str | None:

@@ -18,7 +18,7 @@ says what kind of answer it wants:
 - "Which ...?" (or the name, fingerprint, address ... of something) asked and nothing named that the question
   did not already name ("The chat application is the chat system."): ``no_name``.
 
-Each check is a rule of ``core.rules`` (``unsupported_figures`` is the first): all are evaluated and reported
+Each check is a rule of ``cagflow.rules``: all are evaluated and reported
 in ``Grounding.fired``; only those not switched off decide.
 """
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .rules import DECLINE_ORDER
+from ..rules import DECLINE_ORDER
 from .text import sentences
 
 # A run of (ASCII) word characters and joiners holding at least one digit: 8443, E-407, 192.168.77.1/24, 5.1.3,

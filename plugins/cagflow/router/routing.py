@@ -83,7 +83,7 @@ class Plan:
     vector: np.ndarray | None = None
     updates: list[SearchHit] = field(default_factory=list)  # newer passages after the snapshot (excerpts)
     timings_ms: dict[str, float] = field(default_factory=dict)
-    rules_fired: list[str] = field(default_factory=list)  # the router's rules (core.rules) that held
+    rules_fired: list[str] = field(default_factory=list)  # the router's rules (cagflow.rules) that held
 
     @property
     def cached(self) -> bool:

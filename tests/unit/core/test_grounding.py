@@ -263,7 +263,7 @@ def test_every_rule_that_holds_is_reported_and_only_switched_on_ones_decide():
 
 def test_unknown_rule_names_are_refused_with_the_known_ones():
     from cagflow.config import Config
-    from cagflow.core.rules import RULES
+    from cagflow.rules import RULES
 
     with pytest.raises(ValueError, match="unknown rule.*no_such_rule.*no_quantity"):
         Config.model_validate({"rules": {"disabled": ["no_such_rule"]}})
