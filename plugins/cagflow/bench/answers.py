@@ -299,7 +299,7 @@ def through_api(config: Config, args: argparse.Namespace) -> int:
 def answer_from_snapshots(engine, manifest: Path, qa_path: Path) -> list[dict]:
     """Each in-scope question about a fixed document, answered from the best-matching part's snapshot."""
     from ..core.documents import parse_file
-    from ..core.engine import best_part
+    from ..core.text import best_part
     from ..store.manifests import CorpusManifest
 
     corpus = CorpusManifest.load(manifest)
@@ -334,7 +334,8 @@ def compare_precisions(config: Config, args: argparse.Namespace) -> int:
         except ModelError as exc:
             print(f"skipped: {exc}")
             return 0
-        engine = Engine(loaded, config.model.max_context_tokens, MAX_NEW_TOKENS, config.model.question_budget_tokens)
+        engine = Engine(loaded, config.model.max_context_tokens, MAX_NEW_TOKENS, config.model.question_budget_tokens,
+                        focus_tokens=config.model.focus_tokens)
         started = time.perf_counter()
         rows = answer_from_snapshots(engine, manifest, manifest.parent / "qa.jsonl")
         report["precisions"][precision] = {"recipe": engine.recipe, "rows": rows,

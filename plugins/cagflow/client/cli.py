@@ -36,7 +36,7 @@ def cmd_precompute(args: argparse.Namespace, config: Config) -> int:
 def _pick_document(config: Config, question: str) -> str:
     """Without --doc-id: the fixed document sharing most words with the question."""
     from ..core.documents import parse_file
-    from ..core.engine import best_part
+    from ..core.text import best_part
     from ..store.manifests import CorpusManifest
 
     manifest = CorpusManifest.load(config.corpus.manifest)

@@ -14,7 +14,6 @@ the snapshot). Every route of one engine uses the same numeric recipe, so the ro
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ from .prompt import Passage, PromptBuilder, PromptError, document_system, langua
 from .shared_prefix import SharedPrefixDecoder
 from .shared_prefix import supports as supports_shared_prefix
 from .snapshot import Snapshot
+from .text import focus, overlap_scores
 
 QUESTION_ONLY_SYSTEM = "You are a support assistant. Answer the user's question in one or two short sentences."
 
@@ -142,7 +142,7 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, max_context_tokens: int = 8192, max_new_tokens: int = 128,
                  question_budget_tokens: int = 256, relevance: RelevanceConfig | None = None,
-                 disabled_rules: Iterable[str] = ()):
+                 disabled_rules: Iterable[str] = (), focus_tokens: int = 0):
         self.loaded = loaded
         self.model = loaded.model
         self.fast = loaded.fast
@@ -153,6 +153,7 @@ class Engine:
         self.max_context_tokens = min(max_context_tokens, limit)
         self.max_new_tokens = max_new_tokens
         self.question_budget_tokens = question_budget_tokens
+        self.focus_tokens = focus_tokens
         self.relevance_check = relevance if relevance is not None and relevance.enabled else None
         self.disabled_rules = frozenset(rules.check_names(list(disabled_rules)))
         self.eos_ids = loaded.eos_token_ids
@@ -163,7 +164,8 @@ class Engine:
     def from_config(cls, model: ModelConfig, disabled_rules: Iterable[str] = ()) -> "Engine":
         """The engine of ``model``; ``disabled_rules``: the config's ``rules.disabled``."""
         return cls(load_model(model.path, model.threads, model.precision), model.max_context_tokens,
-                   model.max_new_tokens, model.question_budget_tokens, model.relevance, disabled_rules)
+                   model.max_new_tokens, model.question_budget_tokens, model.relevance, disabled_rules,
+                   model.focus_tokens)
 
     @property
     def fingerprint(self) -> str:
@@ -283,9 +285,17 @@ class Engine:
               reuse_cache: bool, may_decline: bool = True, excerpt: str = "") -> tuple[str, list[int], int, int]:
         """Decide the route; return (route, all prompt ids, count of leading ids the snapshot holds, count of
         leading ids of the system turn). With a snapshot, ``context`` holds the newer passages that follow the
-        document (cache+retrieval)."""
+        document (cache+retrieval). Over a document alone, a question that may be declined is asked with the
+        document's sentences closest to it quoted ahead of it (``focus_tokens``), when they fit the question
+        budget."""
         if snapshot is not None:
             self._check(snapshot)
+            if self.focus_tokens and not context and not excerpt and may_decline:
+                quote = focus(question, document_body(snapshot), self.focus_tokens, self._count_tokens)
+                if quote:
+                    planned = self._plan(question, snapshot, None, reuse_cache, excerpt=quote)
+                    if len(planned[1]) - planned[3] <= self.question_budget_tokens:
+                        return planned
             prompt = self.prompts.tokenize(snapshot.system_prompt, question, snapshot.prefix_token_ids,
                                            updates=context or (), may_decline=may_decline, excerpt=excerpt)
             if reuse_cache:
@@ -297,6 +307,9 @@ class Engine:
             return "retrieval", prompt.ids, 0, prompt.prefix_len
         prompt = self.prompts.tokenize(QUESTION_ONLY_SYSTEM, question, may_decline=may_decline)
         return "question-only", prompt.ids, 0, prompt.prefix_len
+
+    def _count_tokens(self, text: str) -> int:
+        return len(self.prompts.encode(text))
 
     def _check_room(self, route: str, ids: list[int], reused: int, budget: int) -> None:
         if budget < 1:
@@ -582,37 +595,17 @@ class Engine:
         return float(torch.softmax(logits[[yes, no]].float(), dim=0)[0])
 
 
-_WORD = re.compile(r"[a-z0-9]+")
-_HAN_RUN = re.compile(r"[\u4e00-\u9fff]+")
-
-
-def _terms(text: str) -> set[str]:
-    """Latin words, and for Chinese (no spaces between words) every pair of adjacent Han characters."""
-    text = text.lower()
-    bigrams = {run[i:i + 2] for run in _HAN_RUN.findall(text) for i in range(max(1, len(run) - 1))}
-    return set(_WORD.findall(text)) | bigrams
+def document_body(snapshot: Snapshot) -> str:
+    """The snapshot's document as it stands in its system turn, less the instruction and title."""
+    return snapshot.system_prompt.split("\n\n", 2)[-1]
 
 
 def closest_part(question: str, snapshot: Snapshot | None, context: Sequence[Passage] | None) -> str:
-    """The section of the snapshot's document (its system turn less the instruction and title), or the
-    passage, whose terms in common with the question weigh the most, a term weighing less the more of them
-    hold it: "the" and "does" pick no section."""
-    if snapshot is not None:
-        body = snapshot.system_prompt.split("\n\n", 2)[-1]
-        texts = re.split(r"\n\n(?=## )", body)
-    else:
-        texts = [passage.text for passage in context or ()]
+    """The section of the snapshot's document, or the passage, that shares the most with the question
+    (``text.overlap_scores``)."""
+    texts = (re.split(r"\n\n(?=## )", document_body(snapshot)) if snapshot is not None
+             else [passage.text for passage in context or ()])
     if not texts:
         return ""
-    words = _terms(question)
-    held = [words & _terms(text) for text in texts]
-    weight = {term: math.log(1 + len(texts) / sum(term in terms for terms in held)) for term in set().union(*held)}
-    return texts[max(range(len(texts)), key=lambda i: (sum(weight[term] for term in held[i]), -i))]
-
-
-def best_part(question: str, texts: Sequence[str]) -> int:
-    """Index of the text sharing the most terms with the question (ties: the first): picks the part of a
-    split document to answer from when no embedding router is in front."""
-    words = _terms(question)
-    scores = [len(words & _terms(text)) for text in texts]
-    return max(range(len(texts)), key=lambda i: (scores[i], -i))
+    scores = overlap_scores(question, texts)
+    return texts[max(range(len(texts)), key=lambda i: (scores[i], -i))]

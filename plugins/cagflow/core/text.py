@@ -1,9 +1,13 @@
 """Sentences and words of parsed text, in English and Chinese: what chunking cuts at, what the router cuts
-newer passages to, and where the grounding check looks a figure up."""
+newer passages to, where the grounding check looks a figure up, and which sentences a question is about."""
 
 from __future__ import annotations
 
+import functools
+import logging
+import math
 import re
+from typing import Callable, Sequence
 
 _LINE = re.compile(r"[^\n]+")
 # A sentence ends at ". ! ?" and a space, or at Chinese full-width "。！？；" (and a closing quote or bracket
@@ -44,3 +48,106 @@ def sentences(text: str, min_words: int = 1) -> list[str]:
             found.append(text[start:end].strip())
         short_end = end if word_count(found[-1]) < min_words else -1
     return found
+
+
+_TERM_WORD = re.compile(r"[a-z0-9]+")
+_HAN_RUN = re.compile(r"[\u4e00-\u9fff]+")
+# Words that say what kind of answer is asked, not what it is about: a sentence holding "what" or "什么" is no
+# closer to the question for it. Lucene's English stop set, the question words, and the Han characters that
+# only ask (a bigram holding one is dropped).
+_FUNCTION_WORDS = frozenset(
+    "a an and are as at be but by for if in into is it no not of on or such that the their then there these they "
+    "this to was will with what which who whom whose when where why how do does did has have had were".split())
+_ASKING_HAN = frozenset("什么哪谁吗呢怎几")
+
+
+def terms(text: str) -> set[str]:
+    """The words a question and a text can share: Latin words (but function words), and for Chinese (no
+    spaces between words) every pair of adjacent Han characters that does not only ask."""
+    text = text.lower()
+    bigrams = {run[i:i + 2] for run in _HAN_RUN.findall(text) for i in range(max(1, len(run) - 1))}
+    return ({word for word in _TERM_WORD.findall(text) if word not in _FUNCTION_WORDS}
+            | {pair for pair in bigrams if not _ASKING_HAN.intersection(pair)})
+
+
+def best_part(question: str, texts: Sequence[str]) -> int:
+    """Index of the text sharing the most terms with the question (ties: the first): picks the part of a
+    split document to answer from when no embedding router is in front."""
+    words = terms(question)
+    scores = [len(words & terms(text)) for text in texts]
+    return max(range(len(texts)), key=lambda i: (scores[i], -i))
+
+
+def overlap_scores(question: str, texts: Sequence[str]) -> list[float]:
+    """How much each text shares with the question, a shared term weighing less the more of the texts hold
+    it (inverse document frequency over ``texts``): "the" and "does" pick nothing."""
+    words = terms(question)
+    held = [words & terms(text) for text in texts]
+    weight = {term: math.log(1 + len(texts) / sum(term in found for found in held)) for term in set().union(*held)}
+    return [sum(weight[term] for term in found) for found in held]
+
+
+_TABLE_SEPARATOR = re.compile(r"^\|[\s:|-]+\|$")
+
+
+def _focus_units(text: str) -> list[str]:
+    """The sentences of ``text``, a table row with its table's header row ahead of it: a row ("| SEV1 |
+    5 minutes |") holds the values, its header ("| Severity | Acknowledge within |") the words a question
+    asks with."""
+    units: list[str] = []
+    header = ""
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("|"):
+            header = ""
+            units.extend(sentences(line))
+        elif not header:
+            header = line
+        elif not _TABLE_SEPARATOR.match(line):
+            units.append(f"{header}\n{line}")
+    return units
+
+
+def focus(question: str, text: str, budget_tokens: int, count_tokens: Callable[[str], int]) -> str:
+    """The sentences of ``text`` that share the most with the question, as many as fit ``budget_tokens``, in
+    the text's order ("…" where sentences were skipped): quoted ahead of a question about a long document, so
+    that a small model reads the few lines that matter right before it answers."""
+    found = _focus_units(text)
+    scores = overlap_scores(question, found)
+    chosen: list[int] = []
+    used = 0
+    for index in sorted(range(len(found)), key=lambda i: (-scores[i], i)):
+        if scores[index] <= 0:
+            break
+        cost = count_tokens(found[index])
+        if used + cost > budget_tokens:
+            continue
+        chosen.append(index)
+        used += cost
+    chosen.sort()
+    return " ".join(found[index] if position == 0 or chosen[position - 1] == index - 1 else f"… {found[index]}"
+                    for position, index in enumerate(chosen))
+
+
+# jieba's part-of-speech tags of proper names: person, place, organisation, other proper noun, Latin word.
+_NAME_TAGS = frozenset({"nr", "nrfg", "nrt", "ns", "nt", "nz", "eng"})
+
+
+@functools.cache
+def _chinese_tagger():
+    import jieba
+    import jieba.posseg
+
+    jieba.setLogLevel(logging.WARNING)
+    return jieba.posseg.POSTokenizer(jieba.Tokenizer())
+
+
+def question_names(question: str) -> list[str]:
+    """The proper names a Chinese question asks about (people, places, organisations, works: two characters
+    or more, as jieba's segmenter tags them); none for an English question, where capitalisation is no
+    reliable sign of a name ("Who did Emma Marry?"). A question naming someone its text never mentions is
+    about another document (``core.grounding``, rule ``question_name_absent``)."""
+    if not _HAN.search(question) or len(_HAN.findall(question)) < len(_LATIN_WORD.findall(question)):
+        return []
+    return list(dict.fromkeys(word for word, tag in _chinese_tagger().cut(question)
+                              if tag in _NAME_TAGS and len(word) >= 2))

@@ -25,7 +25,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from ..core.engine import best_part
+from ..core.text import best_part
 from ..core.keys import SnapshotFormatError
 from ..core.snapshot import Snapshot
 from ..errors import CagflowError

@@ -229,6 +229,33 @@ def test_a_decline_is_asked_again_with_the_closest_section_quoted_within_the_que
     assert again.reasked and again.decline_reason == "model_declined"
 
 
+def test_a_question_about_a_document_alone_is_asked_with_its_closest_sentences_quoted(small_parts, monkeypatch):
+    """focus_tokens: over a snapshot, the document's sentences sharing the most with the question are quoted
+    ahead of it (the prefix unchanged, so the cache route stays exact against the full prompt); never with
+    newer passages, and not when the quote would overflow the question budget."""
+    engine, parts = small_parts
+    snapshot = engine.precompute(parts[0])
+    focused = Engine(engine.loaded, engine.max_context_tokens, engine.max_new_tokens, engine.question_budget_tokens,
+                     focus_tokens=48)
+    prompts = []
+    monkeypatch.setattr(Engine, "_greedy", _declining_where("\x00never", [], prompts))
+    question = "Which port does the web console listen on?"
+    cached = focused.answer(question, snapshot=snapshot)
+    full = focused.answer(question, snapshot=snapshot, reuse_cache=False)
+    assert cached.token_ids == full.token_ids and cached.prompt_tokens == full.prompt_tokens
+    user_turn = prompts[0][len(focused.prompts.prefix_text(snapshot.system_prompt)):]
+    quoted = user_turn.split(WORDINGS["en"].excerpt_label, 1)[1].split(question)[0].strip()
+    assert "console" in quoted.lower() and len(focused.prompts.encode(quoted)) <= 48 + 4
+    assert all(sentence.strip("… ") in snapshot.system_prompt for sentence in quoted.split("…"))
+    assert cached.prompt_tokens > engine.answer(question, snapshot=snapshot).prompt_tokens
+
+    prompts.clear()
+    focused.answer(question, snapshot=snapshot, context=UPDATES)
+    assert WORDINGS["en"].excerpt_label not in prompts[0]
+    tight = Engine(engine.loaded, engine.max_context_tokens, engine.max_new_tokens, 60, focus_tokens=48)
+    assert tight.answer(question, snapshot=snapshot).prompt_tokens == engine.answer(question, snapshot=snapshot).prompt_tokens
+
+
 def test_the_closest_part_is_weighed_by_its_rare_terms():
     """Words most parts hold ("how", "the", "does") weigh less than the ones few hold: as many terms in common
     with the question, the part holding the rare ones is quoted."""
@@ -337,7 +364,7 @@ def test_damaged_snapshot_is_recomputed_or_reported(small_parts, tmp_path):
 
 
 def test_the_part_to_answer_from_shares_the_most_words_or_chinese_character_pairs():
-    from cagflow.core.engine import best_part
+    from cagflow.core.text import best_part
 
     parts = ["第一章 总则 本制度适用于全体员工。", "第三章 账号 密码长度不得少于 14 位，每 120 天更换。", "Ports: 8443."]
     assert best_part("密码最少需要几位？", parts) == 1
