@@ -29,6 +29,9 @@ RULES: dict[str, Rule] = {rule.name: rule for rule in (
     Rule("off_topic_figures", "decline", "engine",
          "an amount is asked and each figure stated stands in the source only in sentences off the question's topic"),
     Rule("no_name", "decline", "engine", "a 'which ...' / name is asked and the answer names nothing new"),
+    Rule("question_name_absent", "decline", "engine",
+         "a Chinese question names a person, place, organisation or work (jieba's tags) that its document and "
+         "passages lack: it is about another document"),
     Rule("not_in_documents", "decline", "engine",
          "the relevance check: P(yes, the text answers the question) below model.relevance.decline_below_<lang>"),
     Rule("reask_document_alone", "reask", "engine",

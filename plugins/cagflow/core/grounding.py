@@ -17,6 +17,9 @@ says what kind of answer it wants:
   question ("How many employees?" answered from "at most 10 Administrator accounts"): ``off_topic_figures``;
 - "Which ...?" (or the name, fingerprint, address ... of something) asked and nothing named that the question
   did not already name ("The chat application is the chat system."): ``no_name``.
+And one on the question itself: a Chinese question that names someone or something (a person, place,
+organisation or work, as jieba tags it) its source never mentions is about another document, however well
+the answer reads ("杨丽音是何时毕业于国光艺校戏剧科的？" over an article on 黄华麒): ``question_name_absent``.
 
 Each check is a rule of ``cagflow.rules``: all are evaluated and reported
 in ``Grounding.fired``; only those not switched off decide.
@@ -28,7 +31,7 @@ import re
 from dataclasses import dataclass
 
 from ..rules import DECLINE_ORDER
-from .text import sentences
+from .text import question_names, sentences
 
 # A run of (ASCII) word characters and joiners holding at least one digit: 8443, E-407, 192.168.77.1/24, 5.1.3,
 # 3,450. ASCII only, so that in Chinese, where no space separates words, "端口9443" holds the figure "9443".
@@ -272,7 +275,8 @@ def check(answer: str, source: str | None, question: str = "", disabled: frozens
                                    *_wrong_units(_normalise(answer), text, _normalise(question))]))
     verdicts = {"no_quantity": states_no_quantity(answer, question), "unsupported_figures": bool(missing),
                 "off_topic_figures": figures_off_topic(answer, source, question),
-                "no_name": names_nothing(answer, question)}
+                "no_name": names_nothing(answer, question),
+                "question_name_absent": any(name.lower() not in source.lower() for name in question_names(question))}
     fired = tuple(name for name in DECLINE_ORDER if verdicts.get(name))
     deciding = [name for name in fired if name not in disabled]
     if not deciding:

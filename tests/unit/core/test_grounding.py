@@ -269,3 +269,16 @@ def test_unknown_rule_names_are_refused_with_the_known_ones():
         Config.model_validate({"rules": {"disabled": ["no_such_rule"]}})
     assert Config.model_validate({"rules": {"disabled": ["no_name"]}}).rules.disabled == ["no_name"]
     assert {rule.acts for rule in RULES.values()} == {"decline", "reask", "gate"}
+
+
+def test_a_chinese_question_naming_someone_its_source_never_mentions_is_declined():
+    source = "黄华麒，香港演员，毕业于香港大学。1981年加入丽的电视。"
+    verdict = check("杨丽音1981年毕业。", source, "杨丽音是何时毕业于国光艺校戏剧科的？")
+    assert not verdict.answered and verdict.reason == "question_name_absent"
+    assert "question_name_absent" in verdict.fired
+    assert check("1981年。", source, "黄华麒是何时加入丽的电视的？").answered
+    switched_off = check("杨丽音1981年毕业。", source, "杨丽音是何时毕业于国光艺校戏剧科的？",
+                                   frozenset({"question_name_absent"}))
+    assert switched_off.answered and switched_off.fired == ("question_name_absent",)
+    # English questions are not read for names: capitals are no reliable sign of one ("Who did Emma Marry?")
+    assert check("Ethelred.", "Emma married King Ethelred.", "Who did Emma Marry?").answered
