@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from cagflow.config import load_config
-from cagflow.core.engine import Engine
+from cagflow.engine.engine import Engine
 from cagflow.inference.resident import load_snapshot
 from cagflow.offline.precompute import plan_parts, precompute_part
 from cagflow.store.backends import open_store

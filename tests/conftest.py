@@ -21,7 +21,7 @@ CORPUS_MANIFEST = REPO / "corpus" / "manifest.yaml"
 @pytest.fixture(scope="session")
 def real_model():
     """SmolLM2-135M on the default recipe (int8 engine)."""
-    from cagflow.core.model import load_model
+    from cagflow.engine.model import load_model
 
     return load_model("smollm2-135m")
 
@@ -29,14 +29,14 @@ def real_model():
 @pytest.fixture(scope="session")
 def real_qwen_model():
     """Qwen2.5-Coder-0.5B on the int8 engine (the Qwen2 family: q/k/v biases, 14:2 grouped heads)."""
-    from cagflow.core.model import load_model
+    from cagflow.engine.model import load_model
 
     return load_model("qwen2.5-coder-0.5b")
 
 
 @pytest.fixture(scope="session")
 def real_fp32_model():
-    from cagflow.core.model import load_model
+    from cagflow.engine.model import load_model
 
     return load_model("smollm2-135m", precision="fp32")
 
@@ -46,7 +46,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer Llama with random weights and SmolLM2's tokenizer and chat template: real tokenisation,
     grouped-query attention, and forward passes in milliseconds. head_dim 64 is the smallest the int8
     engine's native kernels take, so the tiny model runs the same kernels as the real ones."""
-    from cagflow.core.model import resolve_model_dir
+    from cagflow.engine.model import resolve_model_dir
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m")))
@@ -65,28 +65,28 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
     """The tiny model on the default recipe (int8 engine)."""
-    from cagflow.core.model import load_model
+    from cagflow.engine.model import load_model
 
     return load_model(str(tiny_model_dir))
 
 
 @pytest.fixture(scope="session")
 def tiny_fp32_model(tiny_model_dir):
-    from cagflow.core.model import load_model
+    from cagflow.engine.model import load_model
 
     return load_model(str(tiny_model_dir), precision="fp32")
 
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model):
-    from cagflow.core.engine import Engine
+    from cagflow.engine.engine import Engine
 
     return Engine(tiny_model, max_context_tokens=4096, max_new_tokens=24)
 
 
 @pytest.fixture(scope="session")
 def tiny_fp32_engine(tiny_fp32_model):
-    from cagflow.core.engine import Engine
+    from cagflow.engine.engine import Engine
 
     return Engine(tiny_fp32_model, max_context_tokens=4096, max_new_tokens=24)
 
@@ -133,9 +133,9 @@ def opensearch_url(tmp_path_factory) -> Iterator[str]:
 def publish_first_parts(tiny_model, corpus):
     """``publish(store, max_new_tokens)``: the first part (~600 tokens) of each English fixed document, precomputed
     with the tiny model and published as the active release; returns ``(engine, release)``."""
-    from cagflow.core.documents import parse_file
-    from cagflow.core.engine import Engine
-    from cagflow.core.prompt import language
+    from cagflow.documents.parsing import parse_file
+    from cagflow.engine.engine import Engine
+    from cagflow.answering.prompt import language
     from cagflow.offline.precompute import precompute_part
     from cagflow.store.manifests import Release, publish_release
 

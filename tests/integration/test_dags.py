@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cagflow.core.keys import SnapshotKey
-from cagflow.core.model import prepare_model
+from cagflow.documents.keys import SnapshotKey
+from cagflow.engine.model import prepare_model
 from cagflow.offline import pipeline
 from cagflow.store.backends import LocalStore, S3Store
 from cagflow.store.layout import snapshot_object

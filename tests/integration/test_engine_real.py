@@ -4,9 +4,9 @@ agree."""
 
 import pytest
 import torch
-from cagflow.core.documents import parse_file
-from cagflow.core.engine import Answer, Engine
-from cagflow.core.prompt import Passage
+from cagflow.documents.parsing import parse_file
+from cagflow.engine.engine import Answer, Engine
+from cagflow.answering.prompt import Passage
 
 QUESTIONS = ["Which port does the web console use?", "How long are backups kept?",
              "Who can approve an emergency change?"]

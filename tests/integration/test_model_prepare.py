@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from cagflow.core.fastlm import cpu_has_avx512_bf16
+from cagflow.engine.fastlm import cpu_has_avx512_bf16
 
 pytestmark = pytest.mark.real_model
 

@@ -21,7 +21,7 @@ import pytest
 import requests
 import yaml
 from cagflow.config import Config, load_config
-from cagflow.core.prompt import DECLINED_ANSWER
+from cagflow.answering.prompt import DECLINED_ANSWER
 from cagflow.devstack.process import ServerProcess, free_port, hold_port
 from cagflow.devstack.triton import LocalTriton
 from cagflow.offline import pipeline
@@ -279,7 +279,7 @@ def test_the_answers_bench_asks_every_route_through_the_api(router, keys, releas
                                                          corpus_manifest_path):
     from cagflow.bench import answers
     from cagflow.client.api_client import ApiClient
-    from cagflow.core.qa import load_qa
+    from cagflow.answering.qa import load_qa
 
     store, _ = release_store
     sample = {item.id: item for item in load_qa(corpus_manifest_path.parent / "qa.jsonl")}

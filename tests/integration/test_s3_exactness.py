@@ -3,8 +3,8 @@
 import pytest
 import torch
 from cagflow.config import S3Config
-from cagflow.core.documents import parse_file
-from cagflow.core.engine import Engine
+from cagflow.documents.parsing import parse_file
+from cagflow.engine.engine import Engine
 from cagflow.inference.resident import load_snapshot
 from cagflow.offline.precompute import store_snapshot
 from cagflow.store.backends import LocalStore, open_store

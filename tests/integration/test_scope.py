@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from cagflow.core.qa import QAItem
+from cagflow.answering.qa import QAItem
 from cagflow.search.embeddings import get_embedder
 from cagflow.search.retrieval import Chunk, ChunkIndex, embedding_text, index_body
 from cagflow.search.scope import (NO_MATCH_SCORE, ScopeDetector, ScopeMatch, calibrate, calibrate_answerability,

@@ -14,9 +14,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from cagflow.core.documents import parse_file
-from cagflow.core.engine import Engine
-from cagflow.core.prompt import Passage
+from cagflow.documents.parsing import parse_file
+from cagflow.engine.engine import Engine
+from cagflow.answering.prompt import Passage
 from cagflow.devstack.triton import DEFAULT_MODEL_REPOSITORY, LocalTriton
 from cagflow.inference.resident import load_snapshot
 from cagflow.offline.precompute import precompute_part

@@ -16,9 +16,11 @@ PACKAGE = Path(cagflow.__file__).parent
 # Lower layers never import higher ones; packages of one layer do not import each other, except in the
 # top layer (the command line runs the local services and the benchmarks).
 LAYERS = [
-    {"errors", "rules"},
+    {"errors", "rules", "files"},
     {"config"},
-    {"core"},
+    {"documents"},
+    {"answering"},
+    {"engine"},
     {"store", "search"},
     {"offline", "inference", "router"},
     {"client", "devstack", "bench"},

@@ -9,7 +9,7 @@ release's snapshot text) — the CAG paper's comparison. The API's own routing (
 passages to the snapshot (cache+retrieval); the conflict questions, whose fixed fact a newer variable
 document changed, show what that buys.
 
-Figures are reported for all questions and for the held-out half (``cagflow.core.qa.halves``), the half
+Figures are reported for all questions and for the held-out half (``cagflow.answering.qa.halves``), the half
 that `cagflow bench routing` did not calibrate the thresholds on. ``--precisions`` instead compares the
 int8 and fp32 recipes of one model in this process, on the cache route. Measured, never asserted.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import Config
-from ..core.qa import QAItem, halves, load_qa
+from ..answering.qa import QAItem, halves, load_qa
 from .report import save_report
 
 PRECISIONS = ("int8", "fp32")
@@ -88,7 +88,7 @@ def ask_all(client, items: list[QAItem], max_new_tokens: int,
 def full_prompt_answerer(config: Config, max_new_tokens: int) -> Callable[[QAItem], dict]:
     """The full-prompt route in this process: the document of the active release's snapshot, prefilled
     with the question on the serving engine (no KV reuse)."""
-    from ..core.engine import Engine
+    from ..engine.engine import Engine
     from ..inference.resident import snapshot_for_question
     from ..store.backends import open_store
     from ..store.manifests import load_release
@@ -298,8 +298,8 @@ def through_api(config: Config, args: argparse.Namespace) -> int:
 
 def answer_from_snapshots(engine, manifest: Path, qa_path: Path) -> list[dict]:
     """Each in-scope question about a fixed document, answered from the best-matching part's snapshot."""
-    from ..core.documents import parse_file
-    from ..core.text import best_part
+    from ..documents.parsing import parse_file
+    from ..documents.text import best_part
     from ..store.manifests import CorpusManifest
 
     corpus = CorpusManifest.load(manifest)
@@ -321,8 +321,8 @@ def answer_from_snapshots(engine, manifest: Path, qa_path: Path) -> list[dict]:
 
 
 def compare_precisions(config: Config, args: argparse.Namespace) -> int:
-    from ..core.engine import Engine
-    from ..core.model import ModelError, load_model
+    from ..engine.engine import Engine
+    from ..engine.model import ModelError, load_model
 
     model = args.model or config.model.path
     manifest = Path(config.corpus.manifest)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from ..core.prompt import language as language_of
+from ..answering.prompt import language as language_of
 from ..errors import CagflowError
 from ..store.manifests import CorpusManifest
 

@@ -18,11 +18,11 @@ from typing import Callable
 import torch
 
 from ..config import Config
-from ..core.documents import Section
-from ..core.engine import QUESTION_ONLY_SYSTEM, DocumentPart, Engine
-from ..core.model import ModelError, load_model
-from ..core.prompt import Passage
-from ..core.snapshot import Snapshot
+from ..documents.parsing import Section
+from ..engine.engine import QUESTION_ONLY_SYSTEM, DocumentPart, Engine
+from ..engine.model import ModelError, load_model
+from ..answering.prompt import Passage
+from ..documents.snapshot import Snapshot
 from .report import save_report
 
 DOCUMENT_TOKENS = (512, 2048, 4096, 7800)  # SmolLM2 has 8192 positions: "8k" leaves room for question + answer
@@ -240,7 +240,7 @@ def print_table(report: dict) -> None:
 
 
 def _peer(engine: Engine, model: str, snapshots: dict[int, Snapshot], runs: int) -> dict:
-    from ..core.model import gguf_file
+    from ..engine.model import gguf_file
     from .llama_cpp_peer import PeerUnavailable, run_peer
 
     gguf = gguf_file(model)

@@ -457,7 +457,7 @@ def main(config: Config, args: argparse.Namespace) -> int:
     """Burst, then the optional soak; 1 when any request failed in an unintended way."""
     from ..client.api_client import client_timeout_s
     from ..client.demo import open_local_client
-    from ..core.qa import load_qa
+    from ..answering.qa import load_qa
     from ..router.apikeys import read_local_credentials
     from .report import save_report
 

@@ -19,7 +19,7 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 _PUNCTUATION = set(string.punctuation)
 # CMRC 2018's evaluation script drops these characters before comparing (its "……" is two of them).
 _CMRC_PUNCTUATION = set("-:_*^/\\~`+=，。：？！“”；’《》……·、「」（）－～『』")
-_HAN = re.compile(r"[\u4e00-\u9fa5]")
+_HAN = re.compile(r"[\u4e00-\u9fa5]")  # CMRC's script's own range, kept so scores match it
 _LATIN_TOKEN = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 
 

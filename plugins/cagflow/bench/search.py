@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..config import Config
-from ..core.qa import QAItem, load_qa
+from ..answering.qa import QAItem, load_qa
 
 RECALL_KS = (1, 3, 5, 8)
 ROUTING_THRESHOLDS = (0.8, 0.82, 0.84, 0.86, 0.88, 0.9, 0.92)  # e5 cosines: related text scores 0.85 and up
@@ -97,10 +97,10 @@ def print_retrieval_table(report: dict) -> None:
 
 def routing_calibration(config: Config, qa_path: Path) -> dict:
     """In-scope detection and answerability on every sample question: both thresholds calibrated on one half
-    of the questions (``cagflow.core.qa.halves``) and measured on the other."""
+    of the questions (``cagflow.answering.qa.halves``) and measured on the other."""
     from dataclasses import asdict
 
-    from ..core.qa import halves
+    from ..answering.qa import halves
     from ..search.scope import ScopeDetector, calibrate, calibrate_answerability, evaluate, evaluate_answerability
 
     items = load_qa(qa_path)

@@ -25,8 +25,8 @@ from ..store.backends import NotFound, SnapshotStore, StoreUnavailable
 from ..store.manifests import CorpusManifest, Release, load_release
 
 if TYPE_CHECKING:
-    from ..core.engine import Engine
-    from ..core.snapshot import Snapshot
+    from ..engine.engine import Engine
+    from ..documents.snapshot import Snapshot
 
 HEADROOM = 1.3  # provision 30 % above every estimate
 
@@ -98,10 +98,10 @@ def manifest_sizes(engine: Engine, manifest: CorpusManifest, store: SnapshotStor
                    release: Release | None) -> tuple[KVRecipe, list[SnapshotSize]]:
     """The snapshots precompute would make of the manifest's fixed documents, each with its header; the
     release's objects of the same keys (same document version and model) are their stored sizes."""
-    from ..core.documents import Section
-    from ..core.engine import DocumentPart
-    from ..core.keys import SnapshotKey
-    from ..core.snapshot import Snapshot
+    from ..documents.parsing import Section
+    from ..engine.engine import DocumentPart
+    from ..documents.keys import SnapshotKey
+    from ..documents.snapshot import Snapshot
     from ..offline.precompute import plan_parts
 
     probe = engine.precompute(DocumentPart("capacity-probe", "1", "Probe", (Section("", "probe"),)))
@@ -265,7 +265,7 @@ def estimate(config: Config, store: SnapshotStore, *, manifest: str | None = Non
         notes.append("headers (token ids and document text, a few bytes a token) are not predicted from a "
                      "release: --manifest predicts them")
     else:
-        from ..core.engine import Engine
+        from ..engine.engine import Engine
 
         engine = engine or Engine.from_config(config.model)
         try:

@@ -18,7 +18,7 @@ def _store(config: Config, url: str | None, role: str):
 
 
 def _engine(config: Config):
-    from ..core.engine import Engine
+    from ..engine.engine import Engine
 
     return Engine.from_config(config.model, config.rules.disabled)
 
@@ -35,8 +35,8 @@ def cmd_precompute(args: argparse.Namespace, config: Config) -> int:
 
 def _pick_document(config: Config, question: str) -> str:
     """Without --doc-id: the fixed document sharing most words with the question."""
-    from ..core.documents import parse_file
-    from ..core.text import best_part
+    from ..documents.parsing import parse_file
+    from ..documents.text import best_part
     from ..store.manifests import CorpusManifest
 
     manifest = CorpusManifest.load(config.corpus.manifest)
@@ -47,7 +47,7 @@ def _pick_document(config: Config, question: str) -> str:
 
 def cmd_ask_local(args: argparse.Namespace, config: Config) -> int:
     """In this process, without the API: the snapshot of one fixed document, or the full prompt."""
-    from ..core.record import answer_record
+    from ..answering.record import answer_record
     from ..inference.resident import snapshot_for_question
     from ..store.manifests import load_release
 
@@ -263,7 +263,7 @@ def cmd_capacity(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_model(args: argparse.Namespace, config: Config) -> int:
-    from ..core.model import prepare_model
+    from ..engine.model import prepare_model
 
     path, recipe, fingerprint = prepare_model(config.model.path, config.model.precision)
     print(f"model {config.model.path}: {path}\nrecipe {recipe} (model.precision {config.model.precision})\n"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from ..core.qa import QAItem, load_qa
+from ..answering.qa import QAItem, load_qa
 
 
 def _round_robin(groups: dict[Any, list[QAItem]], count: int) -> list[QAItem]:
@@ -199,7 +199,7 @@ def _pick_in_scope(qa_path: Path, release_doc_ids: list[str], count: int) -> lis
 def run_local_demo(config: Config, questions: int, max_new_tokens: int) -> int:
     """Precompute the sample corpus in this process, then answer each question from its snapshot and from
     the full prompt; 0 when every pair of answers is token-identical."""
-    from ..core.engine import Engine
+    from ..engine.engine import Engine
     from ..inference.resident import snapshot_for_question
     from ..store.backends import open_store
     from .console import precompute_with_progress

@@ -68,7 +68,7 @@ def _active_release(config: Config):
 
 def model_folder(model: ModelConfig) -> Path:
     """Where the configured model lives, without preparing it: a preset's folder may not exist yet."""
-    from ..core.model import find_preset, preset_folder
+    from ..engine.model import find_preset, preset_folder
 
     preset = find_preset(model.path)
     return preset_folder(preset) if preset is not None else Path(model.path).expanduser()
@@ -88,7 +88,7 @@ def weights_bytes(model: ModelConfig) -> int:
 
 def service_does_not_start(config: Config) -> Verdict:
     """The model is prepared, memory holds it and the resident budget, and the keys file has a key."""
-    from ..core.model import find_preset
+    from ..engine.model import find_preset
     from ..router.apikeys import ApiKeyStore
 
     symptom = "service does not start"
@@ -148,7 +148,7 @@ def slow_first_requests(config: Config) -> Verdict:
 def hit_rate_far_below_expectation(config: Config) -> Verdict:
     """The release was built for the configured model, its keys are the ones asked for, and the router's hit
     rate (when it has served enough) is not low."""
-    from ..core.model import ModelError, identify_model
+    from ..engine.model import ModelError, identify_model
     from ..devstack.router import local_api
     from ..store.layout import HEAT_PREFIX
 

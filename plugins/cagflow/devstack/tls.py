@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from ..config import CACHE_HOME
-from ..router.apikeys import write_private_file
+from ..files import write_private_file
 
 TLS_DIR = CACHE_HOME / "tls"
 NAMES = ("localhost",)

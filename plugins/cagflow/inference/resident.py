@@ -25,9 +25,9 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from ..core.text import best_part
-from ..core.keys import SnapshotFormatError
-from ..core.snapshot import Snapshot
+from ..documents.text import best_part
+from ..documents.keys import SnapshotFormatError
+from ..documents.snapshot import Snapshot
 from ..errors import CagflowError
 from ..store.backends import ChecksumMismatch, NotFound, SnapshotStore, StoreError, StoreUnavailable
 from ..store.heat import HeatLog

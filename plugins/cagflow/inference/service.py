@@ -20,9 +20,9 @@ from typing import Iterator, Sequence
 import torch
 
 from ..config import Config, load_config
-from ..core.engine import Answer, Engine
-from ..core.text import best_part
-from ..core.prompt import Passage, clean_question
+from ..engine.engine import Answer, Engine
+from ..documents.text import best_part
+from ..answering.prompt import Passage, clean_question
 from ..errors import CagflowError
 from ..store.backends import NotFound, SnapshotStore, StoreError, StoreRole, open_store
 from ..store.heat import HeatLog

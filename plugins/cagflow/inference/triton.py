@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ConfigError
-from ..core.documents import ParsedDocument, parse_document_text
-from ..core.engine import SnapshotMismatch
+from ..documents.parsing import ParsedDocument, parse_document_text
+from ..engine.engine import SnapshotMismatch
 from ..errors import INTERNAL, error_code, with_code
 from ..store.backends import NotFound, StoreError
 from ..store.manifests import ManifestError, SnapshotUnusable

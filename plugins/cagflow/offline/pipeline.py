@@ -30,7 +30,7 @@ from ..config import Config, ConfigError, ModelConfig, load_config
 from ..errors import CagflowError
 
 if TYPE_CHECKING:
-    from ..core.engine import Engine
+    from ..engine.engine import Engine
     from ..search.retrieval import Chunk, ChunkIndex
     from ..store.backends import SnapshotStore
 
@@ -113,7 +113,7 @@ def chunk_index(config: Config | None = None) -> ChunkIndex:
 
 @lru_cache(maxsize=1)
 def _engine(model_settings: str) -> Engine:
-    from ..core.engine import Engine
+    from ..engine.engine import Engine
 
     return Engine.from_config(ModelConfig.model_validate_json(model_settings))
 
@@ -162,7 +162,7 @@ def source_digest(document: dict, config: Config) -> str:
     """What a document's chunks are made from: its file, its manifest fields, the parser and chunker
     versions, the chunk sizes and the embedding model. Chunks carrying the same digest need not be made
     again. An unreadable file gets no digest (parsing reports it)."""
-    from ..core.documents import PARSER_VERSION
+    from ..documents.parsing import PARSER_VERSION
     from ..search.chunking import CHUNKING_VERSION
     from ..search.embeddings import MODEL_ID
 
@@ -220,7 +220,7 @@ def parse_documents(documents: Sequence[dict]) -> list[dict]:
     """Titled sections per document. A document that cannot be parsed (empty, unreadable) is kept with
     its problem, so the validation step reports every broken document at once. Unchanged documents
     (``load_documents(incremental=True)``) are passed on without their text."""
-    from ..core.documents import DocumentError, parse_file
+    from ..documents.parsing import DocumentError, parse_file
 
     parsed = []
     for document in documents:
@@ -241,7 +241,7 @@ def parse_documents(documents: Sequence[dict]) -> list[dict]:
 
 def chunk_documents(parsed: Sequence[dict], config: Config | None = None) -> list[dict]:
     """Token-bounded, overlapping chunks of every parsed document."""
-    from ..core.documents import ParsedDocument, Section
+    from ..documents.parsing import ParsedDocument, Section
     from ..search.chunking import chunk_document, embedding_token_counter
 
     config = _config(config)
@@ -343,7 +343,7 @@ def _require_precompute_mode(config: Config) -> None:
 
 def model_fingerprint(config: Config) -> str:
     """The configured model's fingerprint, without loading it."""
-    from ..core.model import identify_model
+    from ..engine.model import identify_model
 
     return identify_model(config.model.path, config.model.precision)[2]
 
@@ -355,7 +355,7 @@ def plan_snapshot_parts(doc_ids: Sequence[str] | None = None, force: bool = Fals
     Documents the active release already holds for their version and this model (objects present under
     their checksums) are left out unless ``force``: the release step keeps their snapshots, and the model
     is loaded only when something is left to split."""
-    from ..core.keys import SnapshotKey
+    from ..documents.keys import SnapshotKey
     from ..store.manifests import CorpusManifest, unchanged_documents
     from .precompute import plan_parts
 
@@ -393,8 +393,8 @@ def plan_snapshot_parts(doc_ids: Sequence[str] | None = None, force: bool = Fals
 
 
 def _precompute_locally(part: dict, force: bool, config: Config) -> tuple[dict, bool, float]:
-    from ..core.documents import Section
-    from ..core.engine import DocumentPart
+    from ..documents.parsing import Section
+    from ..engine.engine import DocumentPart
     from .precompute import precompute_part, progress_line
 
     engine = engine_for(config)

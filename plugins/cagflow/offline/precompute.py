@@ -12,16 +12,16 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ..core.documents import ParsedDocument, parse_file
-from ..core.keys import SnapshotFormatError, SnapshotKey, read_metadata
+from ..documents.parsing import ParsedDocument, parse_file
+from ..documents.keys import SnapshotFormatError, SnapshotKey, read_metadata
 from ..store.backends import AlreadyExists, ChecksumMismatch, NotFound, SnapshotStore
 from ..store.layout import snapshot_object
 from ..store.manifests import (CorpusManifest, Release, ReleaseEntry, SnapshotUnusable, publish_if_changed,
                                release_for_run)
 
 if TYPE_CHECKING:  # the engine (torch) is handed in: publishing alone never loads it
-    from ..core.engine import DocumentPart, Engine
-    from ..core.snapshot import Snapshot
+    from ..engine.engine import DocumentPart, Engine
+    from ..documents.snapshot import Snapshot
 
 
 @dataclass(frozen=True)

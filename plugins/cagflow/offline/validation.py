@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import pandas as pd
 
-from ..core.keys import DOC_ID_PATTERN, VERSION_PATTERN
+from ..documents.keys import DOC_ID_PATTERN, VERSION_PATTERN
 from ..errors import CagflowError
 
 TIERS = ("fixed", "variable")
@@ -178,8 +178,8 @@ SNAPSHOT_COLUMNS = ("key", "planned", "stored", "sha256_verified", "header_consi
 
 def snapshot_row(store, entry, planned: bool) -> dict[str, Any]:
     """Re-read one stored snapshot and compare it with its release entry."""
-    from ..core.keys import SnapshotFormatError
-    from ..core.snapshot import Snapshot
+    from ..documents.keys import SnapshotFormatError
+    from ..documents.snapshot import Snapshot
     from ..store.backends import ChecksumMismatch, NotFound
 
     row = {"key": entry.key, "planned": planned, "stored": False, "sha256_verified": False,

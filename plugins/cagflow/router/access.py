@@ -21,7 +21,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..config import ServiceConfig, redact_url
-from ..core.keys import validate_doc_id
+from ..documents.keys import validate_doc_id
 from ..errors import CagflowError
 from . import metrics
 

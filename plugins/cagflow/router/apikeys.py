@@ -27,7 +27,6 @@ import json
 import os
 import re
 import secrets
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -37,6 +36,7 @@ from typing import Any, Iterator
 
 from ..config import CACHE_HOME, Config, read_secret
 from ..errors import CagflowError
+from ..files import write_private_file
 
 KEY_PREFIX = "cgf"
 KEY_ID_BYTES = 6
@@ -104,22 +104,6 @@ def _valid_record(record: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
-
-
-def write_private_file(path: Path, text: str) -> None:
-    """Replace ``path`` atomically with a 0600 file holding ``text`` (the parent is created 0700)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temporary, 0o600)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 class ApiKeyStore:

@@ -28,7 +28,7 @@ When the cache route fails (snapshot not in Triton's release, unreadable or corr
 Declining: a question searched over the whole index whose closest chunk (of any document) is less similar
 than ``service.answerable_threshold`` is declined without the model, with the closest passages as
 ``suggestions``. Triton's ``ANSWERED`` says whether the model declined, stated figures its source lacks
-(``cagflow.core.grounding``) or, asked whether its text answers the question, said no (``RELEVANCE``);
+(``cagflow.answering.grounding``) or, asked whether its text answers the question, said no (``RELEVANCE``);
 a declined answer is replaced by the prompt's decline sentence, and the model's words are kept as
 ``model_answer``. A cache answer cites the chunk of its document closest to the question and answer
 together.
@@ -51,9 +51,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..config import Config
-from ..core.prompt import declined_answer
-from ..core.record import answer_record
-from ..core.text import sentences, word_count
+from ..answering.prompt import declined_answer
+from ..answering.record import answer_record
+from ..documents.text import sentences, word_count
 from ..search.embeddings import Embedder, get_embedder
 from ..search.retrieval import ChunkIndex, RetrievalError, RetrievalUnavailable, SearchHit
 from ..search.scope import ScopeDetector, ScopeMatch

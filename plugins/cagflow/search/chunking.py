@@ -13,8 +13,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
-from ..core.documents import ParsedDocument
-from ..core.text import sentence_spans
+from ..documents.parsing import ParsedDocument
+from ..documents.text import sentence_spans
 from ..errors import CagflowError
 
 TokenCounter = Callable[[Sequence[str]], list[int]]

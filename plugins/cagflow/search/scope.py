@@ -20,7 +20,7 @@ update of it: the router then tries the cache+retrieval route rather than plain 
 
 Identifiers settle what similarity cannot: "What does alarm YF-E116 mean?" reads like any alarm question of
 the operations manual, but when the manual lists no YF-E116 and a release note does, the snapshot can only
-decline or describe a neighbouring alarm. A question naming an identifier (``cagflow.core.grounding``) that
+decline or describe a neighbouring alarm. A question naming an identifier (``cagflow.answering.grounding``) that
 its matched fixed document lacks and another document holds is not routed to the cache
 (``ScopeMatch.elsewhere``): retrieval, whose BM25 half finds the identifier, answers it.
 """
@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
-from ..core.grounding import identifiers, listed_figures
+from ..answering.grounding import identifiers, listed_figures
 from .retrieval import Chunk
 
 if TYPE_CHECKING:
-    from ..core.qa import QAItem
+    from ..answering.qa import QAItem
     from .retrieval import ChunkIndex
 
 MIN_PRECISION = 0.95
@@ -127,7 +127,7 @@ _NO_VECTORS = _Vectors(_matrix([]), [], _matrix([]), [], {}, {})
 
 
 def _figures_by_document(chunks: Iterable[Chunk]) -> dict[str, frozenset[str]]:
-    """Each document's figures (``cagflow.core.grounding.listed_figures`` of its chunks)."""
+    """Each document's figures (``cagflow.answering.grounding.listed_figures`` of its chunks)."""
     found: dict[str, set[str]] = {}
     for chunk in chunks:
         found.setdefault(chunk.doc_id, set()).update(listed_figures(f"{chunk.section}\n{chunk.text}"))

@@ -10,7 +10,7 @@ heat/{replica_id}.json                                                   access 
 
 from __future__ import annotations
 
-from ..core.keys import SnapshotKey
+from ..documents.keys import SnapshotKey
 
 SNAPSHOTS_PREFIX = "snapshots/"
 RELEASES_PREFIX = "releases/"

@@ -17,7 +17,7 @@ from typing import Literal, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..core.keys import sha256_hex, validate_doc_id, validate_version
+from ..documents.keys import sha256_hex, validate_doc_id, validate_version
 from ..errors import CagflowError
 from .backends import AlreadyExists, NotFound, SnapshotStore
 from .layout import CURRENT_POINTER, RELEASES_PREFIX, release_id_of, release_object, snapshot_object

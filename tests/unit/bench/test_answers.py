@@ -8,7 +8,7 @@ import json
 
 from cagflow.bench import answers
 from cagflow.config import load_config
-from cagflow.core.qa import load_qa
+from cagflow.answering.qa import load_qa
 
 
 def test_answers_bench_compares_both_precisions(tiny_model_dir, corpus_manifest_path, monkeypatch, tmp_path, capsys):
@@ -35,7 +35,7 @@ def _auto(answer: str, answered: bool, relevance: float | None, reason: str | No
 
 
 def test_relevance_sweep_replays_each_threshold_and_calibrates_on_one_half_only():
-    from cagflow.core.qa import QAItem
+    from cagflow.answering.qa import QAItem
 
     declined = "The documents do not contain the answer."
     items = [QAItem(f"a{n}", "Which port?", "Port 8443.", ("8443",), True, "manual") for n in range(4)]

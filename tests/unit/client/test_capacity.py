@@ -12,7 +12,7 @@ from cagflow.client.capacity import (HEADROOM, Estimate, KVRecipe, SnapshotSize,
                                      replicas_needed, resident_bytes, with_headroom)
 from cagflow.client.cli import main
 from cagflow.config import load_config
-from cagflow.core.engine import Engine
+from cagflow.engine.engine import Engine
 from cagflow.inference.resident import load_snapshot
 from cagflow.offline.precompute import precompute_and_publish
 from cagflow.store.backends import LocalStore

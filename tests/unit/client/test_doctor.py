@@ -13,9 +13,9 @@ import yaml
 from cagflow.client import doctor
 from cagflow.client.cli import main
 from cagflow.config import load_config
-from cagflow.core.keys import SnapshotKey
-from cagflow.core import model
-from cagflow.core.model import identify_model
+from cagflow.documents.keys import SnapshotKey
+from cagflow.engine import model
+from cagflow.engine.model import identify_model
 from cagflow.devstack.process import free_port
 from cagflow.router.apikeys import ApiKeyStore
 from cagflow.store.backends import LocalStore

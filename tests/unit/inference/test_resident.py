@@ -8,8 +8,8 @@ import threading
 import time
 
 import pytest
-from cagflow.core.documents import parse_file
-from cagflow.core.engine import Engine
+from cagflow.documents.parsing import parse_file
+from cagflow.engine.engine import Engine
 from cagflow.inference.resident import (NoActiveRelease, ReleaseMismatch, ResidentListener, ResidentSet,
                                         SnapshotQuarantined, UnknownSnapshot)
 from cagflow.offline.precompute import precompute_part

@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from cagflow.config import load_config
-from cagflow.core.documents import parse_file
-from cagflow.core.engine import Engine
-from cagflow.core.prompt import Passage
+from cagflow.documents.parsing import parse_file
+from cagflow.engine.engine import Engine
+from cagflow.answering.prompt import Passage
 from cagflow.inference.answer_cache import ANSWER_CACHE, COMPUTED, MERGED
 from cagflow.inference.concurrency import answer_requests
 from cagflow.inference.resident import NoActiveRelease, ResidentSet, load_snapshot

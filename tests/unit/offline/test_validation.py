@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from cagflow.core.documents import ParsedDocument, Section
+from cagflow.documents.parsing import ParsedDocument, Section
 from cagflow.offline.precompute import precompute_part
 from cagflow.offline.validation import ValidationFailed, validate_chunks, validate_documents, validate_snapshots
 from cagflow.store.backends import LocalStore

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cagflow.core.qa import QAItem
+from cagflow.answering.qa import QAItem
 from cagflow.router.routing import excerpts
-from cagflow.core.text import word_count
+from cagflow.documents.text import word_count
 from cagflow.search.retrieval import SearchHit
 from cagflow.store.manifests import CorpusManifest, ManifestError
 

@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from cagflow.core.documents import ParsedDocument, Section, parse_file
+from cagflow.documents.parsing import ParsedDocument, Section, parse_file
 from cagflow.search.chunking import ChunkingError, chunk_document, embedding_token_counter
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 
-from cagflow.core.keys import SnapshotKey
+from cagflow.documents.keys import SnapshotKey
 from cagflow.store.backends import LocalStore
 from cagflow.store.layout import snapshot_object
 from cagflow.store.manifests import (CorpusManifest, DocumentEntry, Release, ReleaseEntry, publish_release,

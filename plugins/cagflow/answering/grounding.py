@@ -30,8 +30,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..documents.text import HAN_RUN, question_names, sentences
 from ..rules import DECLINE_ORDER
-from .text import question_names, sentences
 
 # A run of (ASCII) word characters and joiners holding at least one digit: 8443, E-407, 192.168.77.1/24, 5.1.3,
 # 3,450. ASCII only, so that in Chinese, where no space separates words, "端口9443" holds the figure "9443".
@@ -90,7 +90,7 @@ them us me not no any all each every per after before than then about into over 
 more most less least very also only just same other another get gets got use used using uses""".split())
 _ORDINAL_WORDS = ("zeroth", "first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth",
                   "tenth", "eleventh", "twelfth")
-# "excerpt": a re-asked question quotes one (core.engine), and the model then declines in its words.
+# "excerpt": a re-asked question quotes one (engine.engine), and the model then declines in its words.
 _DECLINE = re.compile(r"\b(?:documents?|passages?|text|manual|excerpts?)\s+(?:do|does)\s+not\s+"
                       r"(?:contain|include|mention|say|specify|state|provide|have|list|give)\b"
                       r"|\bnot\s+(?:found|mentioned|stated|specified|provided|given|listed|included)\s+in\s+the\s+"
@@ -188,7 +188,7 @@ def _topic(text: str) -> set[str]:
     employees), Chinese as character pairs."""
     words = {word[:5] for word in re.findall(r"[a-z][a-z0-9'-]+", text.lower())
              if len(word) >= 3 and word not in _FUNCTION_WORDS}
-    han = "".join(re.findall(r"[\u4e00-\u9fff]+", text))
+    han = "".join(HAN_RUN.findall(text))
     return words | {han[i:i + 2] for i in range(len(han) - 1)}
 
 

@@ -11,7 +11,6 @@ model's name or path, and is part of every snapshot key.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib
 import importlib.util
@@ -22,15 +21,14 @@ import shutil
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from ..config import CACHE_HOME
 from ..errors import CagflowError
-from .documents import PARSER_VERSION
-from .prompt import TEMPLATE_VERSION
+from ..files import prepare_lock
+from ..documents.parsing import PARSER_VERSION
+from ..answering.prompt import TEMPLATE_VERSION
 
 log = logging.getLogger("cagflow.engine")
 
@@ -132,23 +130,6 @@ def file_sha256(path: Path, chunk: int = 8 * 1024 * 1024) -> str:
 
 def _say(message: str) -> None:
     print(f"[cagflow] {message}", file=sys.stderr, flush=True)
-
-
-@contextmanager
-def prepare_lock(target: Path) -> Iterator[None]:
-    """Hold the lock that lets one process at a time prepare ``target`` (an exclusive ``flock``; the
-    kernel releases it when a holder dies, so a crashed preparer never blocks the next one)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_name(f".{target.name}.lock"), "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _say(f"another process is preparing {target.name}; waiting for it...")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def convert_gguf(gguf: Path, target: Path) -> Path:
@@ -268,7 +249,7 @@ class LoadedModel:
     fingerprint: str
     path: Path
     config: "object"  # the transformers config
-    fast: "object | None" = None  # cagflow.core.fastlm.FastLM
+    fast: "object | None" = None  # cagflow.engine.fastlm.FastLM
     eos_token_ids: frozenset[int] = frozenset()
 
     @property

@@ -1,6 +1,6 @@
 """Which sentences a question is about: the terms they share, weighed by rarity, in English and Chinese."""
 
-from cagflow.core.text import focus, overlap_scores, terms
+from cagflow.documents.text import focus, overlap_scores, terms
 
 DOCUMENT = ("# Backups\n\nThe team meets every Monday. Backups run every night at 02:00. "
             "What the team does is described below. Each backup is kept for 35 days, then deleted. "

@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import CACHE_HOME
-from .model import prepare_lock
+from ..files import prepare_lock
 
 log = logging.getLogger("cagflow.engine")
 
@@ -157,8 +157,8 @@ def _strict_mkl() -> str | None:
     strict = _MKL_CBWR_AUTO | _MKL_CBWR_STRICT
     if get(ctypes.c_int(_MKL_CBWR_ALL)) & _MKL_CBWR_STRICT or set_(ctypes.c_int(strict)) == 0:
         return None
-    return ("MKL ran before cagflow.core.fastlm was imported, so its strict reproducible mode could not be set "
-            "(set MKL_CBWR=AUTO,STRICT in the environment, or import cagflow.core.fastlm first)")
+    return ("MKL ran before cagflow.engine.fastlm was imported, so its strict reproducible mode could not be set "
+            "(set MKL_CBWR=AUTO,STRICT in the environment, or import cagflow.engine.fastlm first)")
 
 
 _mkl_error = _strict_mkl()

@@ -4,11 +4,11 @@ import threading
 
 import pytest
 import torch
-from cagflow.core.documents import ParsedDocument, Section, parse_file
-from cagflow.core.engine import Answer, DocumentPart, Engine, SnapshotMismatch, closest_part
+from cagflow.documents.parsing import ParsedDocument, Section, parse_file
+from cagflow.engine.engine import Answer, DocumentPart, Engine, SnapshotMismatch, closest_part
 from cagflow.config import RelevanceConfig
-from cagflow.core.prompt import DECLINED_ANSWER, WORDINGS, EmptyQuestionError, Passage, PromptError
-from cagflow.core.snapshot import Snapshot
+from cagflow.answering.prompt import DECLINED_ANSWER, WORDINGS, EmptyQuestionError, Passage, PromptError
+from cagflow.documents.snapshot import Snapshot
 from cagflow.inference.resident import load_snapshot
 from cagflow.offline.precompute import plan_parts, precompute_part
 from cagflow.store.backends import LocalStore
@@ -364,7 +364,7 @@ def test_damaged_snapshot_is_recomputed_or_reported(small_parts, tmp_path):
 
 
 def test_the_part_to_answer_from_shares_the_most_words_or_chinese_character_pairs():
-    from cagflow.core.text import best_part
+    from cagflow.documents.text import best_part
 
     parts = ["第一章 总则 本制度适用于全体员工。", "第三章 账号 密码长度不得少于 14 位，每 120 天更换。", "Ports: 8443."]
     assert best_part("密码最少需要几位？", parts) == 1

@@ -1,7 +1,7 @@
 import re
 
 import pytest
-from cagflow.core.documents import DocumentError, parse_file, parse_html, parse_markdown, parse_text
+from cagflow.documents.parsing import DocumentError, parse_file, parse_html, parse_markdown, parse_text
 
 
 def test_every_corpus_document_parses_into_sections(corpus):

@@ -1,7 +1,7 @@
 import pytest
 import torch
-from cagflow.core.keys import SnapshotFormatError, SnapshotKey, read_metadata
-from cagflow.core.snapshot import Snapshot
+from cagflow.documents.keys import SnapshotFormatError, SnapshotKey, read_metadata
+from cagflow.documents.snapshot import Snapshot
 from cagflow.store.layout import snapshot_object
 
 FP = "ab" * 32

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..documents.text import HAN
 from ..errors import CagflowError
 
 TEMPLATE_VERSION = "cagflow-prompt-v3"
@@ -22,14 +23,13 @@ TEMPLATE_VERSION = "cagflow-prompt-v3"
 # an answer is a few sentences from the given text, and the relevance check reads the first token as yes or no.
 CHAT_TEMPLATE_OPTIONS = {"enable_thinking": False}
 
-_HAN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 _LATIN_WORD = re.compile(r"[A-Za-z]+")
 
 
 def language(text: str) -> str:
     """``"zh"`` when Han characters outnumber Latin words (a Chinese sentence naming "YF-G300" or "TLS" is
     still Chinese), else ``"en"``. It picks the wording of the instructions, the reminder and the decline."""
-    han = len(_HAN.findall(text))
+    han = len(HAN.findall(text))
     return "zh" if han >= 2 and han >= len(_LATIN_WORD.findall(text)) else "en"
 
 
@@ -38,17 +38,17 @@ class Wording:
     """Everything the prompt says in one language. A Chinese question gets the Chinese reminder (and so a
     Chinese answer); a Chinese document gets the Chinese instruction in its system turn (its snapshot's prefix)."""
 
-    declined: str  # what every route answers when the documents do not hold the answer (core.grounding)
+    declined: str  # what every route answers when the documents do not hold the answer (answering.grounding)
     document_instruction: str
     passages_instruction: str
     question_reminder: str
     updates_reminder: str
     # The same without the option to decline: a question the model declined although it judged its text to
-    # answer it is asked again with these (core.engine, the relevance check).
+    # answer it is asked again with these (engine.engine, the relevance check).
     answer_reminder: str
     answer_updates_reminder: str
     # Or with the part of the text closest to the question quoted ahead of it, the option to decline kept: a
-    # fact in a table row the model overlooked in the whole document (core.engine, the relevance check).
+    # fact in a table row the model overlooked in the whole document (engine.engine, the relevance check).
     excerpt_label: str
     excerpt_reminder: str
     newer_label: str

@@ -3,11 +3,11 @@ import json
 import shutil
 
 import pytest
-from cagflow.core import model
-from cagflow.core.engine import Engine
-from cagflow.core.model import (ModelError, Preset, find_preset, identify_model, load_model, model_fingerprint,
+from cagflow.engine import model
+from cagflow.engine.engine import Engine
+from cagflow.engine.model import (ModelError, Preset, find_preset, identify_model, load_model, model_fingerprint,
                                 resolve_model_dir)
-from cagflow.core.prompt import Passage
+from cagflow.answering.prompt import Passage
 
 
 def test_fingerprint_follows_everything_that_shapes_the_cache(tiny_model_dir, tmp_path, monkeypatch):

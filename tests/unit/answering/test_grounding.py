@@ -2,9 +2,9 @@
 identifiers that do not exist, declines in the model's own words) and on answers that are right."""
 
 import pytest
-from cagflow.core.grounding import check, figures, identifiers, is_declined, listed_figures
-from cagflow.core.prompt import DECLINED_ANSWER, document_system
-from cagflow.core.qa import QAItem, halves
+from cagflow.answering.grounding import check, figures, identifiers, is_declined, listed_figures
+from cagflow.answering.prompt import DECLINED_ANSWER, document_system
+from cagflow.answering.qa import QAItem, halves
 
 SOURCE = document_system("Skerry Gateway Administrator Manual", (
     "The web console listens on port 8443. MQTT over TLS uses port 8883. The MGMT port has the static address "
@@ -51,7 +51,7 @@ def test_invented_figures_and_unknown_identifiers_are_unsupported(answer, questi
                                     "This is not stated in the documents.",
                                     "The Wi-Fi password in the office is not provided in the document.",
                                     "The list price of an SG-800 is not mentioned in the provided text.",
-                                    # after a re-ask that quoted an excerpt (core.engine)
+                                    # after a re-ask that quoted an excerpt (engine.engine)
                                     "The list price of an SG-800 appliance is not provided in the given excerpt.",
                                     "The excerpt does not mention the office Wi-Fi password.", ""])
 def test_declines_in_the_models_words_are_recognised(answer):

@@ -1,4 +1,4 @@
-"""The int8 engine (``cagflow.core.fastlm``): exactness of cache vs full prompt, batched vs single, snapshot
+"""The int8 engine (``cagflow.engine.fastlm``): exactness of cache vs full prompt, batched vs single, snapshot
 immutability, kernel determinism, and agreement with transformers' fp32 model; on both backends."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from cagflow.core import fastlm
+from cagflow.engine import fastlm
 
 # (backend, matmul): the torch backend's two kernels, and the native one where the CPU has it
 KERNELS = [("torch", "int8pack"), ("torch", "f32")] + (
@@ -284,7 +284,7 @@ def test_f32_gemms_do_not_depend_on_the_thread_count():
 
 @pytest.fixture(scope="module")
 def smollm2_dir():
-    from cagflow.core.model import resolve_model_dir
+    from cagflow.engine.model import resolve_model_dir
 
     return resolve_model_dir("smollm2-135m")
 
@@ -360,7 +360,7 @@ def test_a_kernel_build_killed_midway_does_not_hang_the_next_process(tmp_path):
     build = home / "kernels" / fastlm.kernel_build_dir().name
     shutil.copytree(fastlm.kernel_build_dir(), build)  # built already: the check must not recompile
     (build / "lock").touch()  # what a killed build leaves
-    probe = "from cagflow.core import fastlm; print(fastlm.native_kernels() is not None, fastlm.native_error())"
+    probe = "from cagflow.engine import fastlm; print(fastlm.native_kernels() is not None, fastlm.native_error())"
     result = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "CAGFLOW_HOME": str(home)},
                             capture_output=True, text=True, timeout=240)
     assert result.stdout.split()[:1] == ["True"], result.stderr[-2000:]

@@ -1,7 +1,7 @@
 import pytest
-from cagflow.core.prompt import (WORDINGS, EmptyQuestionError, Passage, PromptBuilder, PromptError, declined_answer,
+from cagflow.answering.prompt import (WORDINGS, EmptyQuestionError, Passage, PromptBuilder, PromptError, declined_answer,
                                  document_system, language, passages_system)
-from cagflow.core.record import answer_record
+from cagflow.answering.record import answer_record
 
 AWKWARD_QUESTIONS = [
     "What port?",

@@ -12,6 +12,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 from ..errors import CagflowError
+from .text import HAN_RANGES
 
 # Part of every model fingerprint: a parser change renders documents differently, so snapshots of the
 # old rendering must not be reused under the same key.
@@ -48,7 +49,7 @@ _TXT_HEADING = re.compile(r"^[A-Z0-9][A-Z0-9 &/,.'()-]{2,}$")
 # Chinese headings: "第一章 总则", "第3节 备份", "一、适用范围", "（二）审批", "1.1 密码要求"; short, with no sentence end.
 _CJK_NUMERAL = "一二三四五六七八九十百零〇两"
 _TXT_HEADING_ZH = re.compile(rf"^(?:第[{_CJK_NUMERAL}\d]+[章节条篇部分]+\s*|[{_CJK_NUMERAL}]+、\s*|[（(][{_CJK_NUMERAL}]+[）)]\s*"
-                             rf"|\d+(?:\.\d+)+\s+(?=[\u4e00-\u9fff]))[^。！？；：:]{{0,30}}$")
+                             rf"|\d+(?:\.\d+)+\s+(?=[{HAN_RANGES}]))[^。！？；：:]{{0,30}}$")
 
 
 def _clean(text: str) -> str:

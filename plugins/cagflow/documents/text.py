@@ -13,14 +13,18 @@ _LINE = re.compile(r"[^\n]+")
 # A sentence ends at ". ! ?" and a space, or at Chinese full-width "。！？；" (and a closing quote or bracket
 # after it), where no space follows.
 _SENTENCE_GAP = re.compile(r"(?:(?<=[.!?])\s+|(?<=[。！？；])(?![”’」』）])\s*|(?<=[。！？；][”’」』）])\s*)(?=\S)")
-_HAN = re.compile(r"[\u4e00-\u9fff]")
-_LATIN_WORD = re.compile(r"[^\s\u3000-\u303f\u4e00-\u9fff\uff00-\uffef]+")  # not Han, not CJK punctuation
+# Han characters: the CJK unified ideographs, extension A and the compatibility ideographs; the one definition
+# every package uses.
+HAN_RANGES = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+HAN = re.compile(f"[{HAN_RANGES}]")
+HAN_RUN = re.compile(f"[{HAN_RANGES}]+")
+_LATIN_WORD = re.compile(f"[^\\s\u3000-\u303f{HAN_RANGES}\uff00-\uffef]+")  # not Han, not CJK punctuation
 
 
 def word_count(text: str) -> int:
     """Words in ``text``: Latin words, and for Chinese (written without spaces) one per two Han characters,
     the length of a typical Chinese word."""
-    return len(_LATIN_WORD.findall(text)) + (len(_HAN.findall(text)) + 1) // 2
+    return len(_LATIN_WORD.findall(text)) + (len(HAN.findall(text)) + 1) // 2
 
 
 def sentence_spans(text: str) -> list[tuple[int, int]]:
@@ -51,7 +55,6 @@ def sentences(text: str, min_words: int = 1) -> list[str]:
 
 
 _TERM_WORD = re.compile(r"[a-z0-9]+")
-_HAN_RUN = re.compile(r"[\u4e00-\u9fff]+")
 # Words that say what kind of answer is asked, not what it is about: a sentence holding "what" or "什么" is no
 # closer to the question for it. Lucene's English stop set, the question words, and the Han characters that
 # only ask (a bigram holding one is dropped).
@@ -65,7 +68,7 @@ def terms(text: str) -> set[str]:
     """The words a question and a text can share: Latin words (but function words), and for Chinese (no
     spaces between words) every pair of adjacent Han characters that does not only ask."""
     text = text.lower()
-    bigrams = {run[i:i + 2] for run in _HAN_RUN.findall(text) for i in range(max(1, len(run) - 1))}
+    bigrams = {run[i:i + 2] for run in HAN_RUN.findall(text) for i in range(max(1, len(run) - 1))}
     return ({word for word in _TERM_WORD.findall(text) if word not in _FUNCTION_WORDS}
             | {pair for pair in bigrams if not _ASKING_HAN.intersection(pair)})
 
@@ -146,8 +149,8 @@ def question_names(question: str) -> list[str]:
     """The proper names a Chinese question asks about (people, places, organisations, works: two characters
     or more, as jieba's segmenter tags them); none for an English question, where capitalisation is no
     reliable sign of a name ("Who did Emma Marry?"). A question naming someone its text never mentions is
-    about another document (``core.grounding``, rule ``question_name_absent``)."""
-    if not _HAN.search(question) or len(_HAN.findall(question)) < len(_LATIN_WORD.findall(question)):
+    about another document (``answering.grounding``, rule ``question_name_absent``)."""
+    if not HAN.search(question) or len(HAN.findall(question)) < len(_LATIN_WORD.findall(question)):
         return []
     return list(dict.fromkeys(word for word, tag in _chinese_tagger().cut(question)
                               if tag in _NAME_TAGS and len(word) >= 2))

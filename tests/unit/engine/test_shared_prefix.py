@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cagflow.core import engine as engine_module
-from cagflow.core.documents import parse_file
-from cagflow.core.engine import Answer, Engine, SnapshotMismatch
-from cagflow.core.shared_prefix import SharedPrefixDecoder, supports
-from cagflow.core.snapshot import Snapshot
+from cagflow.engine import engine as engine_module
+from cagflow.documents.parsing import parse_file
+from cagflow.engine.engine import Answer, Engine, SnapshotMismatch
+from cagflow.engine.shared_prefix import SharedPrefixDecoder, supports
+from cagflow.documents.snapshot import Snapshot
 
 QUESTIONS = ["Which port does the web console use?", "How long are backups kept?", "Who approves a SEV1 change?",
              "What is the exact retention period for audit logs in the archive tier, and who may shorten it?",
@@ -169,7 +169,7 @@ def test_per_request_memory_does_not_depend_on_the_document(engine_and_snapshots
 
 def test_other_architectures_fall_back_to_the_transformers_cache(tmp_path, tiny_model, corpus, caplog):
     """A sliding-window model (Gemma 3) keeps the transformers path, says so, and stays exact."""
-    from cagflow.core.model import load_model
+    from cagflow.engine.model import load_model
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(7)

@@ -25,15 +25,15 @@ from transformers import DynamicCache
 from .. import rules
 from ..config import ModelConfig, RelevanceConfig
 from ..errors import CagflowError
-from . import grounding
-from .documents import ParsedDocument, Section
-from .keys import validate_doc_id, validate_version
+from ..answering import grounding
+from ..documents.parsing import ParsedDocument, Section
+from ..documents.keys import validate_doc_id, validate_version
 from .model import LoadedModel, load_model
-from .prompt import Passage, PromptBuilder, PromptError, document_system, language, passages_system, wording
+from ..answering.prompt import Passage, PromptBuilder, PromptError, document_system, language, passages_system, wording
 from .shared_prefix import SharedPrefixDecoder
 from .shared_prefix import supports as supports_shared_prefix
-from .snapshot import Snapshot
-from .text import focus, overlap_scores
+from ..documents.snapshot import Snapshot
+from ..documents.text import focus, overlap_scores
 
 QUESTION_ONLY_SYSTEM = "You are a support assistant. Answer the user's question in one or two short sentences."
 
@@ -75,9 +75,9 @@ class Answer:
     finish_reason: str  # "eos" | "length"
     token_ids: list[int] = field(default_factory=list)
     snapshot_key: str | None = None
-    answered: bool = True  # False: declined, or states figures its document or passages lack (core.grounding)
+    answered: bool = True  # False: declined, or states figures its document or passages lack (answering.grounding)
     unsupported: tuple[str, ...] = ()
-    misses: str | None = None  # declined: the text answers next to the question (core.grounding: no_quantity ...)
+    misses: str | None = None  # declined: the text answers next to the question (answering.grounding: no_quantity ...)
     relevance: float | None = None  # the model's P("yes") that its text answers the question (None: not asked)
     not_relevant: bool = False  # declined because that probability was below the engine's threshold
     reasked: bool = False  # the model declined, judged its text to answer after all, and was asked again
