@@ -5,7 +5,8 @@ agree."""
 import pytest
 import torch
 from cagflow.documents.parsing import parse_file
-from cagflow.engine.engine import Answer, Engine
+from cagflow.engine.answers import Answer
+from cagflow.engine.engine import Engine
 from cagflow.answering.prompt import Passage
 
 QUESTIONS = ["Which port does the web console use?", "How long are backups kept?",

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from cagflow.engine.fastlm import cpu_has_avx512_bf16
+from cagflow.engine.kernels import cpu_has_avx512_bf16
 
 pytestmark = pytest.mark.real_model
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.real_model
 def test_two_preparers_at_once_on_an_empty_model_cache(tmp_path):
     home = tmp_path / "home"
     env = {**os.environ, "CAGFLOW_HOME": str(home), "CAGFLOW__MODEL__PATH": "smollm2-135m"}  # small: quick
-    command = [sys.executable, "-m", "cagflow.client.cli", "model", "prepare"]
+    command = [sys.executable, "-m", "cagflow.cli", "model", "prepare"]
     preparers = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for _ in range(2)]
     outputs = [preparer.communicate(timeout=900) for preparer in preparers]

@@ -14,26 +14,24 @@ the snapshot). Every route of one engine uses the same numeric recipe, so the ro
 
 from __future__ import annotations
 
-import re
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
 
 from .. import rules
+from ..answering.prompt import Passage, PromptBuilder, PromptError, language, passages_system, wording
 from ..config import ModelConfig, RelevanceConfig
+from ..documents.parsing import ParsedDocument
+from ..documents.snapshot import Snapshot
+from ..documents.text import focus
 from ..errors import CagflowError
-from ..answering import grounding
-from ..documents.parsing import ParsedDocument, Section
-from ..documents.keys import validate_doc_id, validate_version
+from .answers import Answer, Decoded, closest_part, document_body, grounded_answer
 from .model import LoadedModel, load_model
-from ..answering.prompt import Passage, PromptBuilder, PromptError, document_system, language, passages_system, wording
+from .parts import DocumentPart, split_document
 from .shared_prefix import SharedPrefixDecoder
 from .shared_prefix import supports as supports_shared_prefix
-from ..documents.snapshot import Snapshot
-from ..documents.text import focus, overlap_scores
 
 QUESTION_ONLY_SYSTEM = "You are a support assistant. Answer the user's question in one or two short sentences."
 
@@ -42,99 +40,6 @@ class SnapshotMismatch(CagflowError, ValueError):
     """The snapshot was built for another model or another prompt template: it cannot be reused."""
 
     code = "snapshot_mismatch"
-
-
-@dataclass(frozen=True)
-class DocumentPart:
-    """A document, or one section-aligned part of one that would not fit the context whole."""
-
-    doc_id: str
-    doc_version: str
-    title: str
-    sections: tuple[Section, ...]
-    part: int | None = None
-
-    @property
-    def body(self) -> str:
-        return ParsedDocument(self.title, self.sections).render()
-
-    @property
-    def system(self) -> str:
-        title = f"{self.title} (part {self.part})" if self.part else self.title
-        return document_system(title, self.body)
-
-
-@dataclass
-class Answer:
-    text: str
-    route: str  # "cache" | "cache+retrieval" | "retrieval" | "full" | "question-only"
-    prompt_tokens: int
-    reused_tokens: int
-    ttft_s: float
-    total_s: float
-    finish_reason: str  # "eos" | "length"
-    token_ids: list[int] = field(default_factory=list)
-    snapshot_key: str | None = None
-    answered: bool = True  # False: declined, or states figures its document or passages lack (answering.grounding)
-    unsupported: tuple[str, ...] = ()
-    misses: str | None = None  # declined: the text answers next to the question (answering.grounding: no_quantity ...)
-    relevance: float | None = None  # the model's P("yes") that its text answers the question (None: not asked)
-    not_relevant: bool = False  # declined because that probability was below the engine's threshold
-    reasked: bool = False  # the model declined, judged its text to answer after all, and was asked again
-    rules_fired: tuple[str, ...] = ()  # the rules (cagflow.rules) that held for this answer, switched off or not
-
-    @property
-    def decline_reason(self) -> str | None:
-        if self.not_relevant:
-            return "not_in_documents"
-        return grounding.Grounding(self.answered, self.unsupported, self.misses).reason
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        decode_time = self.total_s - self.ttft_s
-        return (len(self.token_ids) - 1) / decode_time if len(self.token_ids) > 1 and decode_time > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def _source(snapshot: Snapshot | None, context: Sequence[Passage] | None) -> str | None:
-    """The text an answer must be grounded in: the snapshot's document, the passages, or both."""
-    texts = [snapshot.system_prompt] if snapshot is not None else []
-    if context is not None:
-        texts.append(passages_system(context))
-    return "\n\n".join(texts) if texts else None
-
-
-def _grounded(text: str, source: str | None, question: str, disabled: frozenset[str], **fields) -> Answer:
-    """The answer with its grounding verdict against the text it was answered from (none: a question alone)."""
-    verdict = grounding.check(text, source, question, disabled)
-    return Answer(text, **fields, answered=verdict.answered, unsupported=verdict.unsupported,
-                  misses=verdict.misses, rules_fired=verdict.fired)
-
-
-@dataclass
-class _Decoded:
-    """What one greedy decoding produced so far, and how much of its text has been shown."""
-
-    started: float  # perf_counter of the request, for ttft_s
-    tokens: list[int] = field(default_factory=list)
-    ttft_s: float = 0.0
-    finish: str = "length"
-    emitted: str = ""
-
-    def rest(self, tokenizer) -> Iterator[str]:
-        """The text not shown yet (what was held back)."""
-        text = tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if len(text) > len(self.emitted):
-            yield text[len(self.emitted):]
-
-    def answer(self, tokenizer, snapshot: Snapshot | None, context: Sequence[Passage] | None, question: str,
-               route: str, prompt_tokens: int, reused: int, disabled: frozenset[str]) -> Answer:
-        text = tokenizer.decode(self.tokens, skip_special_tokens=True).strip()
-        return _grounded(text, _source(snapshot, context), question, disabled, route=route, prompt_tokens=prompt_tokens,
-                         reused_tokens=reused, ttft_s=self.ttft_s, total_s=0.0, finish_reason=self.finish,
-                         token_ids=self.tokens, snapshot_key=str(snapshot.key) if snapshot is not None else None)
 
 
 class Engine:
@@ -184,60 +89,8 @@ class Engine:
     # ---- documents -------------------------------------------------------------------------------
 
     def split(self, doc_id: str, doc_version: str, document: ParsedDocument) -> list[DocumentPart]:
-        """Pack whole sections into as few parts as fit the prefix budget; never drop text.
-
-        A section larger than the budget is cut at paragraph, then line, then word boundaries.
-        """
-        validate_doc_id(doc_id)
-        validate_version(doc_version)
-        whole = DocumentPart(doc_id, doc_version, document.title, document.sections)
-        if len(self.prompts.prefix_ids(whole.system)) <= self.prefix_budget:
-            return [whole]
-        overhead = len(self.prompts.prefix_ids(DocumentPart(doc_id, doc_version, document.title, (), 99).system))
-        room = self.prefix_budget - overhead
-        if room < 32:
-            raise PromptError(f"model.max_context_tokens={self.max_context_tokens} leaves no room for documents")
-        units: list[tuple[Section, int]] = []
-        for section in document.sections:
-            units.extend(self._fit_section(section, room))
-        groups: list[list[Section]] = [[]]
-        used = 0
-        for section, tokens in units:
-            cost = tokens + 2  # the blank line between sections
-            if groups[-1] and used + cost > room:
-                groups.append([])
-                used = 0
-            groups[-1].append(section)
-            used += cost
-        parts = [DocumentPart(doc_id, doc_version, document.title, tuple(g), i) for i, g in enumerate(groups, 1)]
-        for part in parts:
-            if len(self.prompts.prefix_ids(part.system)) > self.prefix_budget:
-                raise PromptError(f"{doc_id} part {part.part} does not fit the context after splitting")
-        return parts
-
-    def _fit_section(self, section: Section, room: int) -> list[tuple[Section, int]]:
-        tokens = len(self.prompts.encode(section.render()))
-        if tokens <= room:
-            return [(section, tokens)]
-        pieces: list[tuple[Section, int]] = []
-        for separator in ("\n\n", "\n", " "):
-            chunks = section.text.split(separator)
-            if len(chunks) > 1:
-                break
-        current: list[str] = []
-        for chunk in chunks:
-            candidate = separator.join([*current, chunk])
-            if current and len(self.prompts.encode(Section(section.heading, candidate).render())) > room:
-                piece = Section(section.heading, separator.join(current))
-                pieces.extend(self._fit_section(piece, room) if len(current) == 1 else
-                              [(piece, len(self.prompts.encode(piece.render())))])
-                current = [chunk]
-            else:
-                current.append(chunk)
-        if current:
-            piece = Section(section.heading, separator.join(current))
-            pieces.append((piece, len(self.prompts.encode(piece.render()))))
-        return pieces
+        """Pack whole sections into as few parts as fit the prefix budget; never drop text."""
+        return split_document(self.prompts, self.prefix_budget, self.max_context_tokens, doc_id, doc_version, document)
 
     # ---- snapshots -------------------------------------------------------------------------------
 
@@ -405,7 +258,7 @@ class Engine:
         route, ids, reused, prefix_len = self._plan(question, snapshot, context, reuse_cache)
         self._check_room(route, ids, reused, budget)
         prefix = self._fast_prefix(ids, reused, prefix_len, snapshot) if self.fast is not None else None
-        decoded = _Decoded(started)
+        decoded = Decoded(started)
         yield from self._decode(decoded, ids, reused, snapshot, budget, prefix, hold=wording(question).declined)
         answer = decoded.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused,
                                 self.disabled_rules)
@@ -417,7 +270,7 @@ class Engine:
             # over the same prefix; the decline stays unseen, as below.
             context = None
             route, ids, reused, _ = self._plan(question, snapshot, None, reuse_cache)
-            decoded = _Decoded(started)
+            decoded = Decoded(started)
             yield from self._decode(decoded, ids, reused, snapshot, budget, prefix, hold=wording(question).declined)
             answer = decoded.answer(self.tokenizer, snapshot, None, question, route, len(ids), reused,
                                     self.disabled_rules)
@@ -444,7 +297,7 @@ class Engine:
         else:
             route, ids, reused, _ = self._plan(question, snapshot, context, reuse_cache, may_decline=False)
         self._check_room(route, ids, reused, budget)
-        again = _Decoded(started)
+        again = Decoded(started)
         yield from self._decode(again, ids, reused, snapshot, budget, prefix)
         answer = again.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused, self.disabled_rules)
         answer.relevance, answer.reasked = declined.relevance, True
@@ -468,7 +321,7 @@ class Engine:
         route, ids, reused, _ = self._plan(question, snapshot, context, reuse_cache)
         return route, ids, reused
 
-    def _decode(self, decoded: "_Decoded", ids: list[int], reused: int, snapshot: Snapshot | None, budget: int,
+    def _decode(self, decoded: "Decoded", ids: list[int], reused: int, snapshot: Snapshot | None, budget: int,
                 prefix, hold: str = "") -> Iterator[str]:
         """Greedy-decode into ``decoded``, yielding new text as it is known, except text that is still a start
         of ``hold`` (and a half-decoded multi-byte character)."""
@@ -555,10 +408,11 @@ class Engine:
                     finish[row] = "eos"
                 else:
                     generated[row].append(token)
-        answers = [_grounded(self.tokenizer.decode(tokens, skip_special_tokens=True).strip(), snapshot.system_prompt,
-                             questions[row], self.disabled_rules, route="cache", prompt_tokens=len(ids), reused_tokens=reused,
-                             ttft_s=ttft[row], total_s=finished[row], finish_reason=finish[row], token_ids=tokens,
-                             snapshot_key=str(snapshot.key))
+        answers = [grounded_answer(self.tokenizer.decode(tokens, skip_special_tokens=True).strip(),
+                                   snapshot.system_prompt, questions[row], self.disabled_rules, route="cache",
+                                   prompt_tokens=len(ids), reused_tokens=reused, ttft_s=ttft[row],
+                                   total_s=finished[row], finish_reason=finish[row], token_ids=tokens,
+                                   snapshot_key=str(snapshot.key))
                    for row, ((_, ids, reused, _), tokens) in enumerate(zip(plans, generated))]
         if self.relevance_check is None:
             return answers
@@ -593,19 +447,3 @@ class Engine:
         words = wording(question)
         yes, no = (self.prompts.encode(word)[0] for word in (words.yes, words.no))
         return float(torch.softmax(logits[[yes, no]].float(), dim=0)[0])
-
-
-def document_body(snapshot: Snapshot) -> str:
-    """The snapshot's document as it stands in its system turn, less the instruction and title."""
-    return snapshot.system_prompt.split("\n\n", 2)[-1]
-
-
-def closest_part(question: str, snapshot: Snapshot | None, context: Sequence[Passage] | None) -> str:
-    """The section of the snapshot's document, or the passage, that shares the most with the question
-    (``text.overlap_scores``)."""
-    texts = (re.split(r"\n\n(?=## )", document_body(snapshot)) if snapshot is not None
-             else [passage.text for passage in context or ()])
-    if not texts:
-        return ""
-    scores = overlap_scores(question, texts)
-    return texts[max(range(len(texts)), key=lambda i: (scores[i], -i))]

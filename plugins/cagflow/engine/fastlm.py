@@ -40,231 +40,39 @@ results then do not depend on the thread count. Where that is impossible (MKL al
 or another BLAS) ``f32`` is refused and ``auto`` picks ``int8pack``.
 
 Weights: the first load of a model quantises its checkpoint and writes the prepared tensors to one file
-(``prepared_weights``); every process then maps that file read-only instead of holding its own copy, so
-the serving processes of a machine (Triton's models, a precompute worker) share one copy in the page cache.
+that every process then maps read-only (``prepared_weights``, ``weights_file``); the kernels and MKL's mode
+live in ``kernels``, the configuration and recipe names in ``lm_config``.
 
 Entry points: ``FastLM.from_pretrained(folder)``, ``FastLM.load(folder, weights_file)``, ``prefill_prefix(ids)``,
-``steps(prefix, [ids, ...], n)``
-(greedy tokens step by step, for streams and batches), ``answer(prefix, ids, n)``, ``answer_batch``,
-``answer_full(ids, prefix_len, n)``, ``logits(prefix, ids)``. Threads: the caller sets
+``steps(prefix, [ids, ...], n)`` (greedy tokens step by step, for streams and batches), ``answer(prefix, ids,
+n)``, ``answer_batch``, ``answer_full(ids, prefix_len, n)``, ``logits(prefix, ids)``. Threads: the caller sets
 ``torch.set_num_threads`` (``model.threads``; one thread by default, see the README's thread policy).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import json
 import logging
-import mmap
 import os
 import time
-import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..config import CACHE_HOME
 from ..files import prepare_lock
+from .kernels import MKL_STRICT_ERROR, native_error, native_kernels
+from .lm_config import (LMConfig, config_from_hf, folder_config, recipe_name, rope_tables, shapes_fit_native,
+                        torch_matmul)
+from .weights_file import CheckpointTensors, map_weights, quantize_rows, round_up, write_weights
 
 log = logging.getLogger("cagflow.engine")
 
-RECIPE_VERSION = "fastlm-v1"  # bump when the numerics change: snapshots of another recipe are not reusable
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-_KERNEL_SOURCE = Path(__file__).with_name("fastlm_kernels.cpp")
 WIDE_BLOCK = 64  # tokens a row from which the torch backend's f32 matmul computes a block with fp32 GEMMs
-# -fopenmp: at::parallel_for is inlined into the extension; without it the kernels run on one thread. The
-# extension then links libgomp.so.1, which resolves to the copy torch has already loaded (one runtime).
-_NATIVE_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 
 PrefixKV = tuple[list[torch.Tensor], list[torch.Tensor]]  # (keys, values): per layer [kv_heads, T, head_dim] bf16
-
-
-# ---- native kernels ------------------------------------------------------------------------------------
-
-_native = None
-_native_error: str | None = None
-
-
-def cpu_has_avx512_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags and "avx512bw" in flags
-
-
-def kernel_build_dir() -> Path:
-    """Where this kernel source, built with these flags against this torch installation, lives. Each torch
-    installation (a virtual environment) gets its own folder: ninja rebuilds whenever the build command
-    changes, so two environments sharing one folder would rebuild it back and forth. (Triton's stub
-    environment uses the main environment's torch, so it shares that folder.)"""
-    environment = f"{' '.join(_NATIVE_CFLAGS)} {torch.__version__} {Path(torch.__file__).parent}".encode()
-    digest = hashlib.sha256(_KERNEL_SOURCE.read_bytes() + environment).hexdigest()[:12]
-    return CACHE_HOME / "kernels" / f"fastlm_kernels_{digest}"
-
-
-def native_kernels():
-    """The compiled kernel module, or None (``native_error()`` says why). Compiled once per source hash."""
-    global _native, _native_error
-    if _native is not None or _native_error is not None:
-        return _native
-    if not cpu_has_avx512_bf16():
-        _native_error = "CPU lacks avx512_bf16"
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        build = kernel_build_dir()
-        name = build.name
-        # Our flock, not only torch's lock file: torch waits forever on a lock file left by a build that was
-        # killed; under the flock no other builder is alive, so such a file is stale and can go.
-        with prepare_lock(build):
-            build.mkdir(parents=True, exist_ok=True)
-            (build / "lock").unlink(missing_ok=True)
-            if not any(build.glob("*.so")):
-                log.warning("compiling the int8 engine's kernels into %s (once, about a minute)", build)
-            _native = load(name=name, sources=[str(_KERNEL_SOURCE)], extra_cflags=_NATIVE_CFLAGS,
-                           extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
-    except Exception as exc:  # no compiler, no headers, ...: fall back to the torch backend
-        _native_error = f"{type(exc).__name__}: {exc}"
-        log.warning("int8 engine: native kernels unavailable (%s); using the slower torch backend", _native_error)
-    return _native
-
-
-def native_error() -> str | None:
-    return _native_error
-
-
-_MKL_CBWR_AUTO, _MKL_CBWR_STRICT, _MKL_CBWR_ALL = 2, 0x10000, -1
-
-
-def _strict_mkl() -> str | None:
-    """Switch MKL to strict reproducibility (GEMM results independent of the thread count); None when it is
-    on, else why not. Must run before the process's first MKL call, so it runs when this module is imported;
-    children inherit it through MKL_CBWR."""
-    import ctypes
-
-    os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
-    try:
-        library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        get, set_ = library.mkl_serv_cbwr_get, library.mkl_serv_cbwr_set
-    except (OSError, AttributeError):
-        return "torch's BLAS is not MKL"
-    strict = _MKL_CBWR_AUTO | _MKL_CBWR_STRICT
-    if get(ctypes.c_int(_MKL_CBWR_ALL)) & _MKL_CBWR_STRICT or set_(ctypes.c_int(strict)) == 0:
-        return None
-    return ("MKL ran before cagflow.engine.fastlm was imported, so its strict reproducible mode could not be set "
-            "(set MKL_CBWR=AUTO,STRICT in the environment, or import cagflow.engine.fastlm first)")
-
-
-_mkl_error = _strict_mkl()
-
-
-# ---- configuration and weights -------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class LMConfig:
-    model_type: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    eps: float
-    max_positions: int
-    tie_embeddings: bool
-    eos_token_ids: tuple[int, ...] = ()
-
-    @property
-    def groups(self) -> int:
-        return self.heads // self.kv_heads
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Snapshot size per prefix token (K and V, all layers, bf16)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * 2
-
-
-def supports(hf_config) -> bool:
-    """Whether this engine can run a model with this (transformers) configuration."""
-    try:
-        _config_from_hf(hf_config)
-    except ValueError:
-        return False
-    return True
-
-
-def _shapes_fit_native(config: LMConfig) -> bool:
-    return config.head_dim in (64, 128) and config.hidden % 16 == 0 and config.intermediate % 16 == 0
-
-
-def recipe_for(hf_config, prefill_block: int = 512) -> str:
-    """The recipe ``FastLM`` will use for this model on this machine, without loading weights (compiles the
-    kernels when they are not built yet): it is part of the model fingerprint, so every snapshot key."""
-    config = _config_from_hf(hf_config)
-    if _shapes_fit_native(config) and native_kernels() is not None:
-        return _recipe("native", "native", prefill_block)
-    return _recipe("torch", _torch_matmul(), prefill_block)
-
-
-def _torch_matmul() -> str:
-    return "int8pack" if _mkl_error else "f32"
-
-
-def _recipe(backend: str, matmul: str, prefill_block: int) -> str:
-    return f"{RECIPE_VERSION}/{backend}/{matmul}/block{prefill_block}"
-
-
-def _config_from_hf(hf) -> LMConfig:
-    if hf.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"fastlm supports {SUPPORTED_MODEL_TYPES}, not {hf.model_type!r}")
-    layer_types = getattr(hf, "layer_types", None) or ()
-    if any(kind != "full_attention" for kind in layer_types) or getattr(hf, "use_sliding_window", False):
-        raise ValueError("fastlm needs full attention in every layer (no sliding window)")
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported activation {hf.hidden_act!r}")
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    eos = getattr(hf, "eos_token_id", None)
-    eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    return LMConfig(hf.model_type, hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads,
-                    hf.num_key_value_heads, head_dim, hf.intermediate_size, hf.vocab_size, float(hf.rms_norm_eps),
-                    hf.max_position_embeddings, bool(getattr(hf, "tie_word_embeddings", False)), eos)
-
-
-def _rope_tables(hf, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [positions, head_dim] fp32, computed by the model family's own rotary class (so rope_theta,
-    rope scaling types and attention scaling follow transformers)."""
-    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind in ("dynamic", "longrope"):
-        raise ValueError(f"rope type {kind!r} depends on the sequence length; not supported")
-    module = importlib.import_module(f"transformers.models.{hf.model_type}.modeling_{hf.model_type}")
-    cls = next(getattr(module, name) for name in dir(module) if name.endswith("RotaryEmbedding"))
-    rotary = cls(hf)
-    x = torch.zeros(1, dtype=torch.float32)
-    with torch.no_grad():
-        cos, sin = rotary(x, torch.arange(positions)[None])
-    return cos[0].float().contiguous(), sin[0].float().contiguous()
-
-
-def _folder_config(folder: Path) -> tuple[LMConfig, tuple[torch.Tensor, torch.Tensor]]:
-    """An HF folder's configuration (EOS ids from generation_config.json included) and RoPE tables."""
-    from transformers import AutoConfig
-
-    hf = AutoConfig.from_pretrained(str(folder))
-    config = _config_from_hf(hf)
-    gen = folder / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        config = LMConfig(**{**config.__dict__, "eos_token_ids": tuple(sorted(set(config.eos_token_ids) | set(eos)))})
-    return config, _rope_tables(hf, config.max_positions)
 
 
 def prepared_weights(folder: Path, fingerprint: str) -> Path:
@@ -281,35 +89,6 @@ def prepared_weights(folder: Path, fingerprint: str) -> Path:
                 if stale != path:
                     stale.unlink(missing_ok=True)
     return path
-
-
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output row: (int8 [N, K], bf16 scales [N]); scale = absmax / 127 (rounded to bf16
-    first, and the weights quantised against the rounded scale)."""
-    weight = weight.float()
-    scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(torch.bfloat16)
-    q = torch.round(weight / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale.contiguous()
-
-
-class _CheckpointTensors(Mapping):
-    """A checkpoint's tensors, read when asked for: loading holds the int8 model and one fp32 tensor at a
-    time, not the whole fp32 checkpoint (2.5 GB for Qwen2.5-0.5B) in every serving process."""
-
-    def __init__(self, sources: dict):
-        self._sources = sources  # name -> the safetensors handle holding it
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._sources[name].get_tensor(name)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._sources  # without reading the tensor
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._sources)
-
-    def __len__(self) -> int:
-        return len(self._sources)
 
 
 @dataclass
@@ -354,7 +133,7 @@ class FastLM:
         wrote (used as they are)."""
         self.config = config
         self.prefill_block = prefill_block
-        shapes_ok = _shapes_fit_native(config)
+        shapes_ok = shapes_fit_native(config)
         if backend == "auto":
             backend = "native" if shapes_ok and native_kernels() is not None else "torch"
         if backend == "native" and native_kernels() is None:
@@ -367,11 +146,11 @@ class FastLM:
         self.backend = backend
         self._k = native_kernels() if backend == "native" else None
         if matmul == "auto":
-            matmul = "native" if self._k is not None else _torch_matmul()
+            matmul = "native" if self._k is not None else torch_matmul()
         if matmul not in ("native", "int8pack", "f32") or (matmul == "native") != (self._k is not None):
             raise ValueError("matmul must be native with the native backend, int8pack or f32 with torch")
-        if matmul == "f32" and _mkl_error:
-            raise ValueError(f"matmul f32 needs MKL's strict reproducible mode: {_mkl_error}")
+        if matmul == "f32" and MKL_STRICT_ERROR:
+            raise ValueError(f"matmul f32 needs MKL's strict reproducible mode: {MKL_STRICT_ERROR}")
         self.matmul = matmul
         self._native_mm = matmul == "native"
         self.cos, self.sin = rope
@@ -427,56 +206,18 @@ class FastLM:
         return named
 
     def save_weights(self, path: Path) -> None:
-        """Write the prepared tensors as one file: an 8-byte header length, a JSON header (format, recipe,
-        each tensor's dtype, shape and offset) and the tensors' bytes, page-aligned, so ``load`` maps them
-        without copying. Written to a temporary name and renamed: readers see a whole file or none."""
-        named = self._named_weights()
-        index, end = [], 0
-        for name, tensor in named.items():
-            nbytes = tensor.numel() * tensor.element_size()
-            index.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."),
-                          "shape": list(tensor.shape), "offset": end, "nbytes": nbytes})
-            end = _round_up(end + nbytes, WEIGHT_ALIGN)
-        header = json.dumps({"format": WEIGHTS_FORMAT, "recipe": self.recipe, "tensors": index}).encode()
-        start = _round_up(8 + len(header), mmap.PAGESIZE)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as out:
-                out.write(len(header).to_bytes(8, "little") + header)
-                for entry, tensor in zip(index, named.values()):
-                    out.seek(start + entry["offset"])
-                    out.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-                out.truncate(start + end)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        """Write the prepared tensors to ``path`` (``weights_file.write_weights``), for ``load`` to map."""
+        write_weights(path, self._named_weights(), self.recipe)
 
     @classmethod
     def load(cls, folder: str | os.PathLike, weights_file: str | os.PathLike, **kwargs) -> "FastLM":
         """The model of ``folder`` with the tensors of ``weights_file`` (from ``save_weights``) mapped
         read-only: the pages are the page cache's, shared by every process that maps the file."""
-        config, rope = _folder_config(Path(folder))
-        with open(weights_file, "rb") as handle:
-            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        size = int.from_bytes(mapped[:8], "little")
-        header = json.loads(mapped[8:8 + size])
-        if header.get("format") != WEIGHTS_FORMAT:
-            raise ValueError(f"{weights_file}: not a {WEIGHTS_FORMAT} file")
-        start = _round_up(8 + size, mmap.PAGESIZE)
-        tensors = {}
-        with warnings.catch_warnings():  # read-only on purpose: weights are never written
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            for entry in header["tensors"]:
-                dtype = getattr(torch, entry["dtype"])
-                count = entry["nbytes"] // dtype.itemsize
-                tensors[entry["name"]] = (torch.frombuffer(mapped, dtype=dtype, count=count,
-                                                           offset=start + entry["offset"]).view(entry["shape"])
-                                          if count else torch.empty(entry["shape"], dtype=dtype))
+        config, rope = folder_config(Path(folder))
+        tensors, recipe, mapped = map_weights(weights_file)
         model = cls(config, tensors, rope, prepared=True, **kwargs)
-        if model.recipe != header["recipe"]:
-            raise ValueError(f"{weights_file} holds weights for {header['recipe']}, this engine runs {model.recipe}")
+        if model.recipe != recipe:
+            raise ValueError(f"{weights_file} holds weights for {recipe}, this engine runs {model.recipe}")
         model._mapped = mapped  # the tensors are views of this mapping: keep it open as long as the model
         return model
 
@@ -488,9 +229,9 @@ class FastLM:
         from safetensors import safe_open
 
         folder = Path(folder)
-        config, rope = _folder_config(folder)
+        config, rope = folder_config(folder)
         handles = [safe_open(str(path), framework="pt") for path in sorted(folder.glob("*.safetensors"))]
-        tensors = _CheckpointTensors({name: handle for handle in handles for name in handle.keys()})
+        tensors = CheckpointTensors({name: handle for handle in handles for name in handle.keys()})
         if not tensors:
             raise FileNotFoundError(f"{folder}: no *.safetensors")
         return cls(config, tensors, rope, **kwargs)
@@ -498,14 +239,14 @@ class FastLM:
     @classmethod
     def from_hf_model(cls, model, **kwargs) -> "FastLM":
         """From an in-memory transformers model (tests: tiny random models)."""
-        config = _config_from_hf(model.config)
+        config = config_from_hf(model.config)
         tensors = {name: t.detach() for name, t in model.state_dict().items()}
-        return cls(config, tensors, _rope_tables(model.config, config.max_positions), **kwargs)
+        return cls(config, tensors, rope_tables(model.config, config.max_positions), **kwargs)
 
     @property
     def recipe(self) -> str:
         """What a snapshot depends on besides the model weights: put it into the snapshot fingerprint."""
-        return _recipe(self.backend, self.matmul, self.prefill_block)
+        return recipe_name(self.backend, self.matmul, self.prefill_block)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -652,7 +393,7 @@ class FastLM:
     def logits(self, prefix: PrefixKV | None, suffix_ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
         """Logits fp32 [len(suffix_ids), vocab] at every suffix position (the exactness check), or [1, vocab] at
         the last one (the vocabulary projection of every position costs more than the block itself)."""
-        sk, sv = self._new_suffix(1, _round_up(len(suffix_ids), 16))
+        sk, sv = self._new_suffix(1, round_up(len(suffix_ids), 16))
         hidden = self._block(torch.tensor([list(suffix_ids)]), prefix, sk, sv, torch.zeros(1, dtype=torch.long))
         return self._head(hidden[0, -1:] if last_only else hidden[0])
 
@@ -707,7 +448,7 @@ class FastLM:
             raise ValueError("every question needs at least one token")
         eos = set(self.eos_token_ids if eos_token_ids is None else eos_token_ids)
         rows = len(suffixes)
-        capacity = _round_up(max(map(len, suffixes)) + max_new_tokens, 16)
+        capacity = round_up(max(map(len, suffixes)) + max_new_tokens, 16)
         sk, sv = self._new_suffix(rows, capacity)
         lengths = torch.zeros(rows, dtype=torch.long)
         feed = torch.zeros(rows, dtype=torch.long)
@@ -762,9 +503,3 @@ def _keep(sk, sv, lengths, feed, rows: list[int]):
             lengths.index_select(0, index), feed.index_select(0, index))
 
 
-WEIGHTS_FORMAT = "cagflow-fastlm-weights-v1"
-WEIGHT_ALIGN = 64  # bytes: each tensor starts on a cache line
-
-
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m

@@ -273,11 +273,11 @@ def _eos_ids(model_dir: Path, config, tokenizer) -> frozenset[int]:
 def recipe_for(config, precision: str) -> str:
     """The numeric recipe a model (its transformers config) runs under ``precision``, without loading its
     weights (the int8 engine's kernels are compiled here when they are not built yet)."""
-    from . import fastlm
+    from . import lm_config
 
     if precision not in ("int8", "fp32"):
         raise ModelError(f"model.precision must be int8 or fp32, not {precision!r}")
-    return fastlm.recipe_for(config) if precision == "int8" and fastlm.supports(config) else "fp32"
+    return lm_config.recipe_for(config) if precision == "int8" and lm_config.supports(config) else "fp32"
 
 
 def identify_model(spec: str, precision: str) -> tuple[Path, str, str]:

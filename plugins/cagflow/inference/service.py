@@ -20,7 +20,8 @@ from typing import Iterator, Sequence
 import torch
 
 from ..config import Config, load_config
-from ..engine.engine import Answer, Engine
+from ..engine.answers import Answer
+from ..engine.engine import Engine
 from ..documents.text import best_part
 from ..answering.prompt import Passage, clean_question
 from ..errors import CagflowError

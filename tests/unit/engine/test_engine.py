@@ -5,7 +5,9 @@ import threading
 import pytest
 import torch
 from cagflow.documents.parsing import ParsedDocument, Section, parse_file
-from cagflow.engine.engine import Answer, DocumentPart, Engine, SnapshotMismatch, closest_part
+from cagflow.engine.answers import Answer, closest_part
+from cagflow.engine.engine import Engine, SnapshotMismatch
+from cagflow.engine.parts import DocumentPart
 from cagflow.config import RelevanceConfig
 from cagflow.answering.prompt import DECLINED_ANSWER, WORDINGS, EmptyQuestionError, Passage, PromptError
 from cagflow.documents.snapshot import Snapshot

@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from cagflow.engine import fastlm
+from cagflow.engine import fastlm, kernels, lm_config, weights_file
 
 # (backend, matmul): the torch backend's two kernels, and the native one where the CPU has it
 KERNELS = [("torch", "int8pack"), ("torch", "f32")] + (
-    [("native", "native")] if fastlm.native_kernels() is not None else [])
+    [("native", "native")] if kernels.native_kernels() is not None else [])
 BACKENDS = [backend for backend, _ in KERNELS]
 
 
@@ -140,8 +140,8 @@ def test_steps_stream_what_answer_batch_returns(tiny):
 def test_recipe_is_known_before_loading_weights(tiny):
     lm, model = tiny
     if lm.backend == "native":
-        assert fastlm.recipe_for(model.config, lm.prefill_block) == lm.recipe
-    assert fastlm.supports(model.config)
+        assert lm_config.recipe_for(model.config, lm.prefill_block) == lm.recipe
+    assert lm_config.supports(model.config)
 
 
 def test_no_prefix_route(tiny):
@@ -199,7 +199,7 @@ def test_close_to_transformers_fp32(tiny):
 
 @pytest.mark.skipif("native" not in BACKENDS, reason="native kernels unavailable")
 def test_native_attention_matches_torch_reference():
-    k = fastlm.native_kernels()
+    k = kernels.native_kernels()
     torch.manual_seed(0)
     rows, width, kv, groups, dim, plen, cap = 3, 5, 2, 3, 64, 700, 64
     q = (torch.randn(rows, width, kv, groups, dim) * 0.3).bfloat16()
@@ -223,9 +223,9 @@ def test_native_attention_matches_torch_reference():
 
 @pytest.mark.skipif("native" not in BACKENDS, reason="native kernels unavailable")
 def test_native_matmul_rows_independent_and_close_to_int8pack():
-    k = fastlm.native_kernels()
+    k = kernels.native_kernels()
     torch.manual_seed(0)
-    w, s = fastlm.quantize_rows(torch.randn(300, 96))  # 300: not a multiple of the 16-channel blocks
+    w, s = weights_file.quantize_rows(torch.randn(300, 96))  # 300: not a multiple of the 16-channel blocks
     packed = k.pack_int8(w)
     x = torch.randn(21, 96).bfloat16()
     y = k.mm_int8(x, packed, s)
@@ -245,7 +245,7 @@ def test_int8pack_rows_independent_of_batch_and_threads():
     """The property the recipe relies on (ENVIRONMENT.md): each output row of _weight_int8pack_mm is bitwise
     independent of the number of rows and of the thread count."""
     torch.manual_seed(0)
-    w, s = fastlm.quantize_rows(torch.randn(512, 192))
+    w, s = weights_file.quantize_rows(torch.randn(512, 192))
     x = torch.randn(40, 192).bfloat16()
     threads = torch.get_num_threads()
     try:
@@ -262,10 +262,10 @@ def test_int8pack_rows_independent_of_batch_and_threads():
 def test_f32_gemms_do_not_depend_on_the_thread_count():
     """The f32 matmul relies on MKL's strict reproducible mode: without it these shapes (a decode-like attention over
     4k keys, a projection with few output channels) give other bits on 2 threads than on 1."""
-    assert fastlm._mkl_error is None, fastlm._mkl_error
+    assert kernels.MKL_STRICT_ERROR is None, kernels.MKL_STRICT_ERROR
     generator = torch.Generator().manual_seed(3)
     queries, keys = torch.randn(1, 6, 4096, generator=generator), torch.randn(1, 4096, 128, generator=generator)
-    w, s = fastlm.quantize_rows(torch.randn(37, 128, generator=generator))
+    w, s = weights_file.quantize_rows(torch.randn(37, 128, generator=generator))
     x = torch.randn(3072, 128, generator=generator).bfloat16()
     threads = torch.get_num_threads()
     results = []
@@ -354,13 +354,13 @@ def test_a_kernel_build_killed_midway_does_not_hang_the_next_process(tmp_path):
     import subprocess
     import sys
 
-    if fastlm.native_kernels() is None:
-        pytest.skip(f"no native kernels here: {fastlm.native_error()}")
+    if kernels.native_kernels() is None:
+        pytest.skip(f"no native kernels here: {kernels.native_error()}")
     home = tmp_path / "home"
-    build = home / "kernels" / fastlm.kernel_build_dir().name
-    shutil.copytree(fastlm.kernel_build_dir(), build)  # built already: the check must not recompile
+    build = home / "kernels" / kernels.kernel_build_dir().name
+    shutil.copytree(kernels.kernel_build_dir(), build)  # built already: the check must not recompile
     (build / "lock").touch()  # what a killed build leaves
-    probe = "from cagflow.engine import fastlm; print(fastlm.native_kernels() is not None, fastlm.native_error())"
+    probe = "from cagflow.engine import kernels; print(kernels.native_kernels() is not None, kernels.native_error())"
     result = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "CAGFLOW_HOME": str(home)},
                             capture_output=True, text=True, timeout=240)
     assert result.stdout.split()[:1] == ["True"], result.stderr[-2000:]

@@ -9,7 +9,8 @@ import pytest
 import torch
 from cagflow.engine import engine as engine_module
 from cagflow.documents.parsing import parse_file
-from cagflow.engine.engine import Answer, Engine, SnapshotMismatch
+from cagflow.engine.answers import Answer
+from cagflow.engine.engine import Engine, SnapshotMismatch
 from cagflow.engine.shared_prefix import SharedPrefixDecoder, supports
 from cagflow.documents.snapshot import Snapshot
 

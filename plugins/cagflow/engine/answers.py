@@ -1,0 +1,105 @@
+"""An answer as the engine gives it: its text, route and timings, with the grounding verdict against the text
+it was answered from; and the part of that text closest to a question (what a declined answer is re-asked with)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence
+
+from ..answering import grounding
+from ..answering.prompt import Passage, passages_system
+from ..documents.snapshot import Snapshot
+from ..documents.text import overlap_scores
+
+
+@dataclass
+class Answer:
+    text: str
+    route: str  # "cache" | "cache+retrieval" | "retrieval" | "full" | "question-only"
+    prompt_tokens: int
+    reused_tokens: int
+    ttft_s: float
+    total_s: float
+    finish_reason: str  # "eos" | "length"
+    token_ids: list[int] = field(default_factory=list)
+    snapshot_key: str | None = None
+    answered: bool = True  # False: declined, or states figures its document or passages lack (answering.grounding)
+    unsupported: tuple[str, ...] = ()
+    misses: str | None = None  # declined: the text answers next to the question (answering.grounding: no_quantity ...)
+    relevance: float | None = None  # the model's P("yes") that its text answers the question (None: not asked)
+    not_relevant: bool = False  # declined because that probability was below the engine's threshold
+    reasked: bool = False  # the model declined, judged its text to answer after all, and was asked again
+    rules_fired: tuple[str, ...] = ()  # the rules (cagflow.rules) that held for this answer, switched off or not
+
+    @property
+    def decline_reason(self) -> str | None:
+        if self.not_relevant:
+            return "not_in_documents"
+        return grounding.Grounding(self.answered, self.unsupported, self.misses).reason
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode_time = self.total_s - self.ttft_s
+        return (len(self.token_ids) - 1) / decode_time if len(self.token_ids) > 1 and decode_time > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _answer_source(snapshot: Snapshot | None, context: Sequence[Passage] | None) -> str | None:
+    """The text an answer must be grounded in: the snapshot's document, the passages, or both."""
+    texts = [snapshot.system_prompt] if snapshot is not None else []
+    if context is not None:
+        texts.append(passages_system(context))
+    return "\n\n".join(texts) if texts else None
+
+
+def grounded_answer(text: str, source: str | None, question: str, disabled: frozenset[str], **fields) -> Answer:
+    """The answer with its grounding verdict against the text it was answered from (none: a question alone)."""
+    verdict = grounding.check(text, source, question, disabled)
+    return Answer(text, **fields, answered=verdict.answered, unsupported=verdict.unsupported,
+                  misses=verdict.misses, rules_fired=verdict.fired)
+
+
+@dataclass
+class Decoded:
+    """What one greedy decoding produced so far, and how much of its text has been shown."""
+
+    started: float  # perf_counter of the request, for ttft_s
+    tokens: list[int] = field(default_factory=list)
+    ttft_s: float = 0.0
+    finish: str = "length"
+    emitted: str = ""
+
+    def rest(self, tokenizer) -> Iterator[str]:
+        """The text not shown yet (what was held back)."""
+        text = tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if len(text) > len(self.emitted):
+            yield text[len(self.emitted):]
+
+    def answer(self, tokenizer, snapshot: Snapshot | None, context: Sequence[Passage] | None, question: str,
+               route: str, prompt_tokens: int, reused: int, disabled: frozenset[str]) -> Answer:
+        text = tokenizer.decode(self.tokens, skip_special_tokens=True).strip()
+        return grounded_answer(text, _answer_source(snapshot, context), question, disabled, route=route,
+                               prompt_tokens=prompt_tokens, reused_tokens=reused, ttft_s=self.ttft_s, total_s=0.0,
+                               finish_reason=self.finish, token_ids=self.tokens,
+                               snapshot_key=str(snapshot.key) if snapshot is not None else None)
+
+
+
+
+def document_body(snapshot: Snapshot) -> str:
+    """The snapshot's document as it stands in its system turn, less the instruction and title."""
+    return snapshot.system_prompt.split("\n\n", 2)[-1]
+
+
+def closest_part(question: str, snapshot: Snapshot | None, context: Sequence[Passage] | None) -> str:
+    """The section of the snapshot's document, or the passage, that shares the most with the question
+    (``text.overlap_scores``)."""
+    texts = (re.split(r"\n\n(?=## )", document_body(snapshot)) if snapshot is not None
+             else [passage.text for passage in context or ()])
+    if not texts:
+        return ""
+    scores = overlap_scores(question, texts)
+    return texts[max(range(len(texts)), key=lambda i: (scores[i], -i))]
