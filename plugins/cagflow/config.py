@@ -24,6 +24,7 @@ ENV_PREFIX = "CAGFLOW__"
 # The secret that, when set, gives service.rate_limit_redis_url (a URL with a password belongs in a secret).
 RATE_LIMIT_REDIS_SECRET = "CAGFLOW_RATE_LIMIT_REDIS_URL"
 CACHE_HOME = Path(os.environ.get("CAGFLOW_HOME", Path.home() / ".cache" / "cagflow"))
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # binds that listen on every address of the machine
 
 
 class ConfigError(CagflowError, ValueError):
@@ -188,6 +189,18 @@ class ServiceConfig(_Section):
             return redis_url(secret)
         except ValueError as exc:
             raise ConfigError(f"{RATE_LIMIT_REDIS_SECRET}: {exc}") from None
+
+    def base_url(self) -> str:
+        """Where a client on this machine reaches this API: the bind address, with a wildcard bind reached
+        on 127.0.0.1, over HTTPS when the API serves it."""
+        host = "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host
+        scheme = "https" if self.tls_cert_file else "http"
+        return f"{scheme}://{f'[{host}]' if ':' in host else host}:{self.port}"
+
+    def client_ca_file(self) -> str | None:
+        """What a client of this API trusts: ``tls_ca_file``, else the server's certificate itself (right for
+        a self-signed one); None: the system's CAs."""
+        return self.tls_ca_file or self.tls_cert_file or None
 
     def replicas(self) -> list[TritonReplica]:
         """The Triton replicas to route to: ``triton_replicas``, else the one the triton_*_url keys name."""

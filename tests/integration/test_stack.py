@@ -24,7 +24,7 @@ QA_PATH = Path(__file__).resolve().parents[2] / "corpus" / "qa.jsonl"
 
 
 def cagflow(env, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "cagflow.client.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cagflow.cli", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 
 def cagflow(env, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "cagflow.client.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cagflow.cli", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 

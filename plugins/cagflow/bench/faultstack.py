@@ -174,7 +174,7 @@ class FaultStack:
     def cagflow(self, *args: str, role: str = "writer", timeout_s: float = 1800, **extra: str
                 ) -> subprocess.CompletedProcess:
         """Run the command line as an operator would, with this stack's settings."""
-        return subprocess.run([sys.executable, "-m", "cagflow.client.cli", *args], env=self.environment(role, **extra),
+        return subprocess.run([sys.executable, "-m", "cagflow.cli", *args], env=self.environment(role, **extra),
                               capture_output=True, text=True, timeout=timeout_s)
 
     def precompute(self, doc_ids: list[str]) -> str:
@@ -229,7 +229,7 @@ class FaultStack:
             CAGFLOW__SERVICE__PORT=str(self.router_port), CAGFLOW__SERVICE__TRITON_URL=triton.http_url,
             CAGFLOW__SERVICE__TRITON_GRPC_URL=triton.grpc_url, CAGFLOW__SERVICE__TRITON_METRICS_URL=triton.metrics_url)
         self.router = ServerProcess("router", self.work_dir / "router.log", FaultStackError, leader_first=True)
-        self.router.launch([sys.executable, "-m", "cagflow.client.cli", "serve"], cwd=self.work_dir, env=environment)
+        self.router.launch([sys.executable, "-m", "cagflow.cli", "serve"], cwd=self.work_dir, env=environment)
         self.router.wait_ready(lambda: requests.get(f"{self.url}/healthz", timeout=2).ok, 300, interval_s=0.5,
                                retry_on=(requests.RequestException,))
 

@@ -1,1 +1,2 @@
-"""What a person or an application runs: the ``cagflow`` command, the REST API client and the demo."""
+"""What runs against the REST API and the local setup: the API client, the demo, the doctor's checks and the
+capacity estimate (the ``cagflow`` command, ``cagflow.cli``, sits above them)."""

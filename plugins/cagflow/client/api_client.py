@@ -21,20 +21,6 @@ if TYPE_CHECKING:
     from ..config import ServiceConfig
 
 USER_AGENT = "cagflow-api-client"
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-
-
-def default_base_url(service: ServiceConfig) -> str:
-    """Where a client on this machine reaches the configured API (a wildcard bind is reached on 127.0.0.1)."""
-    host = "127.0.0.1" if service.host in WILDCARD_HOSTS else service.host
-    scheme = "https" if service.tls_cert_file else "http"
-    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{service.port}"
-
-
-def default_ca_file(service: ServiceConfig) -> str | None:
-    """What a client of the configured API trusts: ``service.tls_ca_file``, else the server's certificate
-    itself (right for a self-signed one); None: the system's CAs."""
-    return service.tls_ca_file or service.tls_cert_file or None
 
 
 def client_timeout_s(service: ServiceConfig) -> float:

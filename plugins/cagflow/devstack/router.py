@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..client.api_client import default_base_url, default_ca_file
 from ..config import CACHE_HOME, Config, ConfigError, load_config
 from .background import ServiceError
 from .process import ServerProcess, hold_port, record_group, running_record, stop_recorded
@@ -46,7 +45,7 @@ def local_api(config: Config) -> tuple[str, str | None]:
     state = running_record(DEFAULT_RUN_DIR / STATE_FILE)
     if state and urlsplit(state["url"]).port == config.service.port:
         return state["url"], state.get("ca_file")
-    return default_base_url(config.service), default_ca_file(config.service)
+    return config.service.base_url(), config.service.client_ca_file()
 
 
 def _get_json(url: str, timeout_s: float = 3.0, ca_file: str | None = None) -> tuple[int, Any]:
@@ -108,7 +107,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         served.update(tls_cert_file=str(local.cert_file), tls_key_file=str(local.key_file),
                       tls_ca_file=str(local.cert_file))
     service = config.service.model_copy(update=served)
-    url, ca_file = default_base_url(service), default_ca_file(service)
+    url, ca_file = service.base_url(), service.client_ca_file()
     env = {**os.environ, **{f"CAGFLOW__SERVICE__{name.upper()}": str(value) for name, value in served.items()}}
     if args.config:
         env["CAGFLOW_CONFIG"] = str(Path(args.config).resolve())
@@ -116,7 +115,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     log = args.run_dir / "router.log"
     server = ServerProcess("router", log, RouterError, leader_first=True)
     started = time.perf_counter()
-    server.launch([sys.executable, "-m", "cagflow.client.cli", "serve"], cwd=Path.cwd(), env=env)
+    server.launch([sys.executable, "-m", "cagflow.cli", "serve"], cwd=Path.cwd(), env=env)
     server.wait_ready(lambda: is_alive(url, ca_file), args.timeout, interval_s=0.3, retry_on=(OSError, ValueError))
     server.detach()
     record_group(state_file, server.pid, url=url, ca_file=ca_file, log=str(log), started_at=time.time())

@@ -15,8 +15,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from cagflow.bench.load import LoadGenerator, MemorySampler, memory_growth, plot_memory, service_pids
-from cagflow.client.cli import main
+from cagflow.bench.load import LoadGenerator
+from cagflow.bench.memory import MemorySampler, memory_growth, plot_memory, service_pids
+from cagflow.cli import main
 from cagflow.devstack.process import free_port
 
 KEY = "cgf_0123456789ab_secret"
@@ -247,7 +248,7 @@ def test_many_clients_lose_and_duplicate_no_outcome(api):
 # In a fresh process: a long test process reuses memory it freed before, so its figures need not move.
 HEAP_AND_MAPPED_FILE = r"""
 import mmap, os, sys
-from cagflow.bench.load import memory_mib
+from cagflow.bench.memory import memory_mib
 mapped_file = sys.argv[1]
 before = memory_mib(os.getpid())
 heap = bytearray(os.urandom(64 * 2**20))

@@ -4,8 +4,8 @@ import json
 import threading
 
 import pytest
-from cagflow.client.api_client import ApiClient, ApiError, ServerSentEvent, default_base_url, parse_sse
-from cagflow.client.cli import main
+from cagflow.client.api_client import ApiClient, ApiError, ServerSentEvent, parse_sse
+from cagflow.cli import main
 from cagflow.config import load_config
 from cagflow.devstack.process import free_port
 from flask import Flask, Response, jsonify, request
@@ -137,7 +137,7 @@ def test_sse_parsing_follows_the_specification():
 
 def test_default_url_reaches_a_wildcard_bind_on_loopback():
     config = load_config(environ={"CAGFLOW__SERVICE__HOST": "0.0.0.0", "CAGFLOW__SERVICE__PORT": "9001"})
-    assert default_base_url(config.service) == "http://127.0.0.1:9001"
+    assert config.service.base_url() == "http://127.0.0.1:9001"
 
 
 # --- `cagflow ask` over the API

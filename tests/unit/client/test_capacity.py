@@ -10,7 +10,7 @@ import pytest
 import yaml
 from cagflow.client.capacity import (HEADROOM, Estimate, KVRecipe, SnapshotSize, bench_seconds, estimate,
                                      replicas_needed, resident_bytes, with_headroom)
-from cagflow.client.cli import main
+from cagflow.cli import main
 from cagflow.config import load_config
 from cagflow.engine.engine import Engine
 from cagflow.inference.resident import load_snapshot

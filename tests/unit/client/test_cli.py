@@ -3,9 +3,11 @@
 import json
 import re
 import stat
+import subprocess
+import sys
 
 import pytest
-from cagflow.client.cli import main
+from cagflow.cli import build_parser, main
 from cagflow.router import apikeys
 from cagflow.router.apikeys import ApiKeyStore
 from cagflow.store.manifests import CorpusManifest
@@ -195,3 +197,43 @@ def test_bench_without_opensearch_says_how_to_start_it(capsys, monkeypatch):
     monkeypatch.setenv("CAGFLOW__RETRIEVAL__TIMEOUT_S", "1")
     code, _, err = run(capsys, "bench", "routing")
     assert code == 2 and "`cagflow opensearch up`" in err and len(err.splitlines()) == 1
+
+
+def test_bench_lists_its_benchmarks_and_each_has_only_its_own_options(capsys):
+    with pytest.raises(SystemExit) as shown:
+        main(["bench", "--help"])
+    listed = capsys.readouterr().out
+    assert shown.value.code == 0
+    assert all(name in listed for name in ("retrieval", "routing", "engine", "answers", "load", "faults"))
+    with pytest.raises(SystemExit):
+        main(["bench", "answers", "--help"])
+    answers = capsys.readouterr().out
+    assert "--precisions" in answers and "--dataset" in answers and "--soak" not in answers and "--peer" not in answers
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "load", "--precisions"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "Traceback" not in err
+    assert "cagflow bench load: error: unrecognized arguments: --precisions" in err
+    with pytest.raises(SystemExit) as missing:
+        main(["bench"])
+    assert missing.value.code == 2 and "cagflow bench: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["engine"], {"model": None, "runs": 3, "peer": None}),
+    (["load", "--soak", "600"], {"clients": None, "duration": 60, "soak": 600, "soak_clients": 4, "soak_pause": 1.0,
+                                 "max_new_tokens": None, "stream_share": 0.2, "pid": None}),
+    (["faults", "--scenario", "s3-outage"], {"scenario": ["s3-outage"], "fault_doc_id": None, "model": None,
+                                             "clients": None, "max_new_tokens": None}),
+    (["retrieval"], {}),
+])
+def test_each_benchmark_parses_its_options_with_their_defaults(argv, expected):
+    args = vars(build_parser().parse_args(["bench", *argv]))
+    assert {key: value for key, value in args.items() if key not in ("config", "command", "which", "run")} == expected
+
+
+def test_the_command_runs_as_a_module():
+    """`python -m cagflow.cli` is how the local router and the fault bench start `cagflow serve` and `precompute`."""
+    shown = subprocess.run([sys.executable, "-m", "cagflow.cli", "bench", "faults", "--help"], capture_output=True,
+                           text=True, timeout=60)
+    assert shown.returncode == 0 and "--fault-doc-id" in shown.stdout

@@ -11,7 +11,7 @@ import threading
 import pytest
 import yaml
 from cagflow.client import doctor
-from cagflow.client.cli import main
+from cagflow.cli import main
 from cagflow.config import load_config
 from cagflow.documents.keys import SnapshotKey
 from cagflow.engine import model

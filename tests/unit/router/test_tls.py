@@ -9,7 +9,6 @@ import os
 import stat
 
 import pytest
-from cagflow.client.api_client import default_base_url, default_ca_file
 from cagflow.config import Config, ConfigError
 from cagflow.devstack import router as devstack_router
 from cagflow.devstack import tls
@@ -89,10 +88,10 @@ def test_the_local_certificate_is_created_once_and_replaced_when_unusable(tmp_pa
 
 
 def test_clients_of_a_configured_certificate_use_https_and_trust_it():
-    assert (default_base_url(service()), default_ca_file(service())) == ("http://127.0.0.1:8080", None)
+    assert (service().base_url(), service().client_ca_file()) == ("http://127.0.0.1:8080", None)
     served = service(host="0.0.0.0", port=8443, tls_cert_file="/tls/cert.pem", tls_key_file="/tls/key.pem")
-    assert (default_base_url(served), default_ca_file(served)) == ("https://127.0.0.1:8443", "/tls/cert.pem")
-    assert default_ca_file(served.model_copy(update={"tls_ca_file": "/tls/ca.pem"})) == "/tls/ca.pem"
+    assert (served.base_url(), served.client_ca_file()) == ("https://127.0.0.1:8443", "/tls/cert.pem")
+    assert served.model_copy(update={"tls_ca_file": "/tls/ca.pem"}).client_ca_file() == "/tls/ca.pem"
 
 
 def test_local_clients_take_the_running_routers_address_and_certificate(tmp_path, monkeypatch):
