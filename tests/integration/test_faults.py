@@ -16,11 +16,12 @@ pytestmark = pytest.mark.integration
 SCENARIOS = ("precompute-kill-local", "bit-flip", "disk-full")
 
 
-def test_fault_scenarios_hold_under_load(tiny_model_dir, corpus_manifest_path, tmp_path):
+def test_fault_scenarios_hold_under_load(tiny_model_dir, corpus_manifest_path, tmp_path, opensearch_url):
     config = load_config(environ={**os.environ, "CAGFLOW__CORPUS__MANIFEST": str(corpus_manifest_path)})
     questions, manifest = faults.sample_questions(config)
+    # The session's OpenSearch (the stack's own index): none of these scenarios stops OpenSearch.
     stack = FaultStack(tmp_path, config, str(tiny_model_dir), faults.smallest_fixed(manifest, 3), max_new_tokens=8,
-                       max_resident_states=1)
+                       max_resident_states=1, opensearch_url=opensearch_url)
     with stack:
         bench = faults.Bench(stack, questions, clients=2)
         results = [faults.run_scenario(bench, name) for name in SCENARIOS]

@@ -119,10 +119,12 @@ def check_integrity(store: SnapshotStore) -> Integrity:
 
 
 class FaultStack:
-    """The four servers, a release of ``doc_ids`` in S3, and one user and one admin API key."""
+    """The four servers, a release of ``doc_ids`` in S3, and one user and one admin API key. With
+    ``opensearch_url`` the stack indexes into that OpenSearch (an index of its own) instead of starting one;
+    the scenario that restarts OpenSearch then needs a stack of its own."""
 
     def __init__(self, work_dir: Path, config: Config, model: str, doc_ids: list[str], max_new_tokens: int,
-                 max_resident_states: int, say: Callable[[str], None] = print) -> None:
+                 max_resident_states: int, say: Callable[[str], None] = print, opensearch_url: str = "") -> None:
         self.work_dir = work_dir
         self.config = config
         self.model = model
@@ -132,7 +134,8 @@ class FaultStack:
         self.say = say
         self.s3 = LocalSeaweedFS(work_dir / "s3", access_key=secrets.token_hex(10), secret_key=secrets.token_hex(20),
                                  buckets=[BUCKET])
-        self.opensearch = LocalOpenSearch(work_dir / "opensearch")
+        self.opensearch = None if opensearch_url else LocalOpenSearch(work_dir / "opensearch")
+        self.opensearch_url = opensearch_url
         self.triton: LocalTriton | None = None
         self.router: ServerProcess | None = None
         self.router_port = 0
@@ -149,7 +152,7 @@ class FaultStack:
                 "CAGFLOW__CACHE__STATE_STORE": STORE_URL, "CAGFLOW__CACHE__S3__ENDPOINT_URL": self.s3.endpoint_url,
                 "CAGFLOW__CACHE__MAX_RESIDENT_STATES": str(self.max_resident_states),
                 "CAGFLOW__CACHE__PRELOAD_ON_STARTUP": "false",
-                "CAGFLOW__RETRIEVAL__ENDPOINT": self.opensearch.url, "CAGFLOW__RETRIEVAL__INDEX": self.index,
+                "CAGFLOW__RETRIEVAL__ENDPOINT": self.opensearch_url, "CAGFLOW__RETRIEVAL__INDEX": self.index,
                 "CAGFLOW__SERVICE__API_KEYS_FILE": str(self.work_dir / "api-keys.json"),
                 "CAGFLOW__SERVICE__AUDIT_LOG_FILE": str(self.work_dir / "audit.jsonl"),
                 "CAGFLOW__SERVICE__RATE_LIMIT_PER_S": "1000", "CAGFLOW__SERVICE__RATE_LIMIT_BURST": "1000",
@@ -191,7 +194,8 @@ class FaultStack:
         self.say("starting SeaweedFS (S3) and OpenSearch ...")
         self.s3.start()
         self.s3.create_bucket(BUCKET)
-        self.opensearch.start(timeout_s=300)
+        if self.opensearch is not None:
+            self.opensearch_url = self.opensearch.start(timeout_s=300)
         self.say("indexing the sample corpus ...")
         self._index_corpus()
         self.say(f"precomputing {len(self.doc_ids)} fixed documents with {self.model} ...")
@@ -218,7 +222,9 @@ class FaultStack:
             raise FaultStackError(f"Triton's ports {sorted(ports.values())} are still taken")
         run_dir = self.work_dir / f"triton-{time.monotonic_ns()}"
         settings = {key: value for key, value in self.environment().items() if key.startswith(("CAGFLOW", "AWS_"))}
-        self.triton = LocalTriton(run_dir, environment=settings, ports=ports)  # type: ignore[arg-type]
+        # The stack precomputes through the command line, never through Triton's cag_precompute.
+        self.triton = LocalTriton(run_dir, models=["cag_llm", "cag_llm_stream"], environment=settings,
+                                  ports=ports)  # type: ignore[arg-type]
         self.triton.start(timeout_s=600)
 
     def start_router(self) -> None:
