@@ -1,5 +1,6 @@
 """The REST router: authenticates and admits requests, routes each question to a KV-cache snapshot or
-to retrieval, and answers through Triton (see ``routing`` for the rules, ``app`` for the API).
+to retrieval, and answers through Triton (see ``planning`` for the rules, ``routing`` for answering,
+``app`` for the API).
 
 ``create_app`` and ``run_server`` are imported on first use: ``cagflow ask`` reads its key through
 ``router.apikeys`` and should not pay for Flask, OpenSearch and the embedder it never uses."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from cagflow.config import ServiceConfig
 from cagflow.router.access import ApiError, ConcurrencyGate, RateLimiter, parse_query, parse_reload, request_id_from
-from cagflow.router.routing import fallback_reason
+from cagflow.router.failures import fallback_reason
 from cagflow.router.triton_client import TritonRejected, TritonUnavailable
 
 LIMITS = ServiceConfig(max_question_chars=100)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from cagflow.router.access import MAX_NEW_TOKENS, MAX_TOP_K, ROUTES
 from cagflow.router.apikeys import ApiKeyStore
-from cagflow.router.routing import triton_failure
+from cagflow.router.failures import triton_failure
 from cagflow.router.triton_client import TritonUnavailable
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st

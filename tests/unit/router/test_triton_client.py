@@ -10,7 +10,7 @@ from typing import Iterator
 
 import pytest
 from cagflow.devstack.process import free_ports
-from cagflow.router.routing import fallback_reason
+from cagflow.router.failures import fallback_reason
 from cagflow.router.triton_client import TritonClient, TritonRejected, TritonUnavailable
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from cagflow.answering.qa import QAItem
-from cagflow.router.routing import excerpts
+from cagflow.router.excerpts import excerpts
 from cagflow.documents.text import word_count
 from cagflow.search.retrieval import SearchHit
 from cagflow.store.manifests import CorpusManifest, ManifestError
