@@ -496,8 +496,8 @@ def test_readiness_degrades_while_opensearch_or_the_store_is_away_and_recovers(o
         assert app.test_client().get("/readyz").get_json()["store"]["reachable"] is True
     finally:
         forwarder.close()
-        app.extensions["cagflow_router"].close()
-        app_without_release.extensions["cagflow_router"].close()
+        app.extensions["cagflow_router"].router.close()
+        app_without_release.extensions["cagflow_router"].router.close()
 
 
 def test_a_dataset_joins_the_stack_and_is_scored_through_the_api(router, keys, triton, release_store, corpus_index,

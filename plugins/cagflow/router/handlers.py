@@ -1,0 +1,141 @@
+"""The endpoints, as a Blueprint; what they use (``Dependencies``) is in ``app.extensions[EXTENSION]``, put
+there by ``create_app``, so a test can hand them a stand-in router and close the real one."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from flask import Blueprint, Response, current_app, g, request, stream_with_context
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..config import ServiceConfig
+from . import metrics
+from .access import ApiError, parse_query, parse_reload
+from .admission import Admission, finish
+from .errors import error_body, internal_error_body, json_response
+from .failures import triton_failure
+from .routing import Router
+from .triton_client import TritonRejected, TritonUnavailable
+
+log = logging.getLogger("cagflow.router")
+api = Blueprint("api", __name__)
+EXTENSION = "cagflow_router"
+
+
+@dataclass(frozen=True)
+class Dependencies:
+    router: Router  # or a stand-in with its answer, stream, readiness, releases and reload
+    admission: Admission
+    service: ServiceConfig
+
+
+def _dependencies() -> Dependencies:
+    return current_app.extensions[EXTENSION]
+
+
+def _read_json(optional: bool = False) -> Any:
+    """The request body as JSON; an empty body is None when ``optional``. Size is capped by Flask's
+    ``MAX_CONTENT_LENGTH`` (413) before anything is parsed."""
+    data = request.get_data(cache=False)
+    if optional and not data:
+        return None
+    if not request.is_json:
+        raise ApiError(415, "unsupported_media_type",
+                       f"send the body as Content-Type: application/json, not {request.mimetype or 'nothing'}")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ApiError(400, "invalid_json", f"the body is not valid JSON: {str(exc)[:200]}") from None
+
+
+@api.get("/healthz")
+def healthz() -> Response:
+    return json_response({"status": "alive"})
+
+
+@api.get("/readyz")
+def readyz() -> Response:
+    deps = _dependencies()
+    limits = deps.admission.limiter.readiness()
+    report = {**deps.router.readiness(), "rate_limit": limits}
+    if "error" in limits:  # a shared store configured but failing: limits hold per router, not in all
+        report["degraded"] = True
+        report["reasons"] = [*report["reasons"], f"rate limit store {limits['store']} failing: each router "
+                             "limits keys on its own (a key may get the limit once per router)"]
+        metrics.DEGRADED.set(1)
+    return json_response(report, 200 if report["ready"] else 503)
+
+
+@api.get("/metrics")
+def prometheus() -> Response:
+    return Response(generate_latest(), mimetype=CONTENT_TYPE_LATEST)
+
+
+@api.get("/v1/releases")
+def releases() -> Response:
+    deps = _dependencies()
+    deps.admission.authenticate()
+    return json_response(deps.router.releases())
+
+
+@api.post("/admin/reload")
+def reload() -> Response:
+    deps = _dependencies()
+    deps.admission.authenticate(admin=True)
+    release_id = parse_reload(_read_json(optional=True))
+    g.audit_target = release_id or "current"
+    deps.admission.enter_gate()
+    try:
+        result = deps.router.reload(release_id)
+    finally:
+        deps.admission.leave_gate()
+    g.audit_detail = {"release_id": result["release_id"]}
+    return json_response({**result, "request_id": g.request_id})
+
+
+@api.post("/v1/query")
+def query() -> Response:
+    deps = _dependencies()
+    deps.admission.authenticate()
+    parsed = parse_query(_read_json(), deps.service)
+    deps.admission.enter_gate()
+    streaming = False
+    try:
+        if not parsed.stream:
+            g.outcome = deps.router.answer(parsed, g.request_id)
+            return json_response(g.outcome)
+        events = deps.router.stream(parsed, g.request_id)
+        first = next(events)  # routing and the stream's start: errors here are plain JSON errors
+        streaming = g.streaming = True
+        response = Response(stream_with_context(_server_sent(first, events)), mimetype="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        response.call_on_close(deps.admission.leave_gate)  # also when the client goes away mid-answer
+        return response
+    finally:
+        if not streaming:
+            deps.admission.leave_gate()
+
+
+def _server_sent(first: tuple[str, dict], events: Iterator[tuple[str, dict]]) -> Iterator[str]:
+    """SSE frames; the access-log line is written when the stream ends."""
+    outcome: dict[str, Any] = {}
+    error_code = None
+    try:
+        for event, data in itertools.chain([first], events):
+            if event == "answer":
+                outcome = data
+            yield f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    except (ApiError, TritonUnavailable, TritonRejected) as exc:
+        error = exc if isinstance(exc, ApiError) else triton_failure(exc)
+        error_code = error.code
+        yield f"event: error\ndata: {json.dumps(error_body(error.code, error.message, g.request_id))}\n\n"
+    except Exception:
+        log.exception("stream %s failed", g.request_id)
+        error_code = "internal"
+        yield f"event: error\ndata: {json.dumps(internal_error_body(g.request_id))}\n\n"
+    finally:
+        finish(200, outcome, error_code)
