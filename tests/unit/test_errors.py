@@ -10,7 +10,7 @@ import cagflow
 from cagflow.errors import INTERNAL, CagflowError, error_code, split_code, with_code
 from cagflow.inference.resident import SnapshotQuarantined
 from cagflow.inference.triton import describe, triton_status
-from cagflow.router.routing import fallback_reason
+from cagflow.router.failures import fallback_reason
 from cagflow.router.triton_client import TritonRejected
 from cagflow.store.backends import StoreUnavailable
 from cagflow.store.manifests import SnapshotUnusable
