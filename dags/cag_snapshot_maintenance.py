@@ -2,14 +2,14 @@
 recent release references and that nobody could have read for a while (a dry run unless told otherwise).
 
 Runs at ``maintenance.schedule`` (weekly by default). Trigger with ``{"dry_run": false}`` to delete. When
-the active release does not verify, nothing is collected. The steps live in ``cagflow.offline.pipeline``.
+the active release does not verify, nothing is collected. The steps live in ``cagflow.offline.maintenance_steps``.
 """
 
 from datetime import datetime, timezone
 
 from airflow.sdk import Param, dag, task
 from cagflow.config import load_config
-from cagflow.offline import pipeline
+from cagflow.offline import maintenance_steps
 
 settings = load_config().maintenance
 
@@ -32,11 +32,11 @@ settings = load_config().maintenance
 def cag_snapshot_maintenance():
     @task(retries=0)
     def verify_active_release():
-        return pipeline.verify_active_release()
+        return maintenance_steps.verify_active_release()
 
     @task
     def collect_garbage(params=None):
-        return pipeline.collect_garbage(params["keep_releases"], params["unused_days"], params["dry_run"])
+        return maintenance_steps.collect_garbage(params["keep_releases"], params["unused_days"], params["dry_run"])
 
     verify_active_release() >> collect_garbage()
 

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from cagflow.documents.keys import SnapshotKey
 from cagflow.engine.model import prepare_model
-from cagflow.offline import pipeline
+from cagflow.offline import connections, maintenance_steps, release_steps, snapshot_steps
 from cagflow.store.backends import LocalStore, S3Store
 from cagflow.store.layout import snapshot_object
 from cagflow.store.manifests import (CorpusManifest, Release, ReleaseEntry, activate_release, list_releases,
@@ -100,7 +100,7 @@ def use(monkeypatch, airflow_db, opensearch_url, tmp_path):
         monkeypatch.setenv("CAGFLOW__RETRIEVAL__ENDPOINT", opensearch_url)
         monkeypatch.setenv("CAGFLOW__RETRIEVAL__INDEX", index)
         monkeypatch.setenv("CAGFLOW__CORPUS__MANIFEST", str(manifest))
-        return pipeline.snapshot_store(), pipeline.chunk_index()
+        return connections.snapshot_store(), connections.chunk_index()
     return configure
 
 
@@ -129,7 +129,7 @@ def assert_release_verifies(store, expected_doc_ids):
     release = load_release(store)
     assert sorted(release.doc_ids) == sorted(expected_doc_ids)
     assert len({entry.key for entry in release.snapshots}) == len(release.snapshots)
-    pipeline.verify_active_release()  # re-reads every snapshot against its sha256 and header
+    maintenance_steps.verify_active_release()  # re-reads every snapshot against its sha256 and header
     return release
 
 
@@ -472,7 +472,7 @@ def test_a_superseded_snapshot_is_kept_until_unread_for_the_configured_days(tmp_
     old = snapshot_object(SnapshotKey("guide", "1.0.0", fingerprint[:16]))
 
     def doomed(days_later: float, keep: int = 1, unused_days: float = 7):
-        plan = pipeline.plan_garbage(store, keep, unused_days, now=published_at + days_later * 86400)
+        plan = maintenance_steps.plan_garbage(store, keep, unused_days, now=published_at + days_later * 86400)
         return sorted(plan.snapshots), sorted(plan.releases)
 
     assert doomed(6) == ([], [])
@@ -487,16 +487,17 @@ def test_a_superseded_snapshot_is_kept_until_unread_for_the_configured_days(tmp_
 
 def test_serving_down_is_tolerated(monkeypatch):
     monkeypatch.setenv("CAGFLOW__PRECOMPUTE__TRITON_URL", "127.0.0.1:9")
-    result = pipeline.request_serving_reload({"release_id": "r1", "published": True})
+    result = release_steps.request_serving_reload({"release_id": "r1", "published": True})
     assert result["requested"] is False and result["reason"].startswith("unreachable")
-    assert pipeline.request_serving_reload({"release_id": "r1", "published": False})["reason"] == "release unchanged"
+    unchanged = release_steps.request_serving_reload({"release_id": "r1", "published": False})
+    assert unchanged["reason"] == "release unchanged"
 
 
 def test_precompute_via_triton_without_an_address_fails_before_loading_anything(monkeypatch):
     monkeypatch.setenv("CAGFLOW__PRECOMPUTE__VIA", "triton")
     monkeypatch.setenv("CAGFLOW__PRECOMPUTE__TRITON_URL", "")
-    with pytest.raises(pipeline.PrecomputeUnavailable, match="needs precompute.triton_url"):
-        pipeline.plan_snapshot_parts()
+    with pytest.raises(snapshot_steps.PrecomputeUnavailable, match="needs precompute.triton_url"):
+        snapshot_steps.plan_snapshot_parts()
 
 
 @pytest.fixture(scope="module")

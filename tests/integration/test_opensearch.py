@@ -7,7 +7,9 @@ import uuid
 import pytest
 from cagflow.devstack.opensearch import PLUGIN_NAMES, LocalOpenSearch, free_port
 from cagflow.search.embeddings import get_embedder
-from cagflow.search.retrieval import Chunk, ChunkIndex, Fusion, RetrievalError, RetrievalUnavailable, SearchMode
+from cagflow.search.fusion import Fusion
+from cagflow.search.index_schema import Chunk
+from cagflow.search.retrieval import ChunkIndex, RetrievalError, RetrievalUnavailable, SearchMode
 
 pytestmark = pytest.mark.integration
 

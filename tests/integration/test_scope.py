@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from cagflow.answering.qa import QAItem
 from cagflow.search.embeddings import get_embedder
-from cagflow.search.retrieval import Chunk, ChunkIndex, embedding_text, index_body
+from cagflow.search.index_schema import Chunk, embedding_text, index_body
+from cagflow.search.retrieval import ChunkIndex
 from cagflow.search.scope import (NO_MATCH_SCORE, ScopeDetector, ScopeMatch, calibrate, calibrate_answerability,
                                   evaluate, evaluate_answerability)
 

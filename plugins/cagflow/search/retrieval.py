@@ -1,12 +1,12 @@
 """Chunk retrieval over OpenSearch: BM25, k-NN and hybrid search behind one small client.
 
 Chunks live in a versioned physical index reached through an alias, so a full rebuild switches readers
-atomically. The index records its schema (text analyzer, embedding model and vector size): when either
-changes, the next ingest builds a new index from the old one's chunks, re-embedded when the model changed,
-and switches the alias to it, so vectors of two models never meet in one index. Hybrid search runs
-server-side (``hybrid`` query plus a normalization or RRF search pipeline) when the neural-search plugin
-is installed; otherwise a BM25 and a k-NN query are fused here with the same arithmetic, kept as pure
-functions below.
+atomically. The index records its schema (text analyzer, embedding model and vector size; see
+``cagflow.search.index_schema``): when either changes, the next ingest builds a new index from the old one's
+chunks, re-embedded when the model changed, and switches the alias to it, so vectors of two models never
+meet in one index. Hybrid search runs server-side (``hybrid`` query plus a normalization or RRF search
+pipeline) when the neural-search plugin is installed; otherwise a BM25 and a k-NN query are fused here with
+the same arithmetic (``cagflow.search.fusion``). Request bodies are built in ``cagflow.search.queries``.
 
 Every call has one time budget (``timeout_s``) that covers its retries: an unreachable cluster raises
 ``RetrievalUnavailable`` within that budget instead of hanging.
@@ -14,12 +14,10 @@ Every call has one time budget (``timeout_s``) that covers its retries: an unrea
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
@@ -28,17 +26,17 @@ from opensearchpy.exceptions import ConnectionError as TransportConnectionError
 from opensearchpy.exceptions import TransportError
 
 from ..errors import CagflowError
+from .capabilities import KNN_PLUGIN, NEURAL_SEARCH_PLUGIN, BackendInfo
 from .embeddings import Embedder, get_embedder
+from .fusion import Fusion, min_max_fusion, reciprocal_rank_fusion
+from .index_schema import SOURCE_FIELDS, Chunk, chunk_from_source, chunk_source, embedding_text, index_body
+from .queries import (bm25_query, filter_clauses, hybrid_query, knn_query, normalization_pipeline, pipeline_name,
+                      rrf_pipeline)
 
 log = logging.getLogger(__name__)
 
-TIERS = ("fixed", "variable")
 HYBRID_MODES = ("auto", "server", "client")
 RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
-NEURAL_SEARCH_PLUGIN = "opensearch-neural-search"
-KNN_PLUGIN = "opensearch-knn"
-RRF_SINCE_NEURAL_SEARCH = (2, 19)
-_SOURCE_FIELDS = ["chunk_id", "doc_id", "text", "tier", "version", "title", "section", "published"]
 
 T = TypeVar("T")
 
@@ -61,37 +59,6 @@ class SearchMode(str, Enum):
     HYBRID = "hybrid"
 
 
-class Fusion(str, Enum):
-    MIN_MAX = "min_max"
-    RRF = "rrf"
-
-
-@dataclass(frozen=True)
-class Chunk:
-    chunk_id: str
-    doc_id: str
-    text: str
-    tier: str = "variable"
-    version: str = ""
-    title: str = ""
-    section: str = ""
-    published: str = ""  # ISO date of the document, or empty
-    embedding: Sequence[float] | None = field(default=None, repr=False, compare=False)
-    source_sha256: str = ""  # digest of what the document's chunks were made from (an unchanged one is skipped)
-
-    def __post_init__(self) -> None:
-        if not self.chunk_id or not self.doc_id:
-            raise ValueError("a chunk needs a chunk_id and a doc_id")
-        if self.tier not in TIERS:
-            raise ValueError(f"tier must be one of {TIERS}, got {self.tier!r}")
-
-
-def embedding_text(title: str, section: str, text: str) -> str:
-    """What gets embedded: the chunk under its document title and section, which carry its topic."""
-    heading = " — ".join(part for part in (title, section) if part)
-    return f"{heading}\n{text}" if heading else text
-
-
 @dataclass(frozen=True)
 class SearchHit:
     chunk_id: str
@@ -103,203 +70,6 @@ class SearchHit:
     section: str
     score: float
     published: str = ""
-
-
-@dataclass(frozen=True)
-class BackendInfo:
-    """What the cluster can do, probed from ``GET /`` and ``_cat/plugins``."""
-
-    version: str
-    plugins: Mapping[str, str]
-
-    @property
-    def has_knn(self) -> bool:
-        return KNN_PLUGIN in self.plugins
-
-    @property
-    def server_hybrid(self) -> bool:
-        return NEURAL_SEARCH_PLUGIN in self.plugins
-
-    @property
-    def server_rrf(self) -> bool:
-        return self.server_hybrid and _version_tuple(self.plugins[NEURAL_SEARCH_PLUGIN]) >= RRF_SINCE_NEURAL_SEARCH
-
-    @property
-    def hybrid_mode(self) -> str:
-        return "server" if self.server_hybrid else "client"
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split("-")[0].split(".") if part.isdigit())
-
-
-# --- Fusion (pure) ---------------------------------------------------------------------------------
-
-
-def min_max_normalize(scores: Mapping[str, float]) -> dict[str, float]:
-    """Scale one result list to [0, 1]; when every score is equal they all become 1.0."""
-    if not scores:
-        return {}
-    low, high = min(scores.values()), max(scores.values())
-    if high == low:
-        return {key: 1.0 for key in scores}
-    return {key: (score - low) / (high - low) for key, score in scores.items()}
-
-
-def _ranked(scores: Mapping[str, float]) -> list[tuple[str, float]]:
-    return sorted(scores.items(), key=lambda item: (-item[1], item[0]))
-
-
-def min_max_fusion(result_lists: Sequence[Mapping[str, float]], weights: Sequence[float]) -> list[tuple[str, float]]:
-    """Weighted arithmetic mean of min-max normalised scores, best first.
-
-    A hit missing from a list counts as 0 there, as in neural-search's ``normalization-processor``.
-    """
-    if len(weights) != len(result_lists):
-        raise ValueError(f"{len(result_lists)} result lists need as many weights, got {len(weights)}")
-    if any(weight < 0 for weight in weights) or sum(weights) <= 0:
-        raise ValueError("weights must be non-negative and not all zero")
-    total_weight = sum(weights)
-    fused: dict[str, float] = {}
-    for scores, weight in zip(result_lists, weights):
-        for key, normalized in min_max_normalize(scores).items():
-            fused[key] = fused.get(key, 0.0) + weight * normalized
-    return _ranked({key: score / total_weight for key, score in fused.items()})
-
-
-def reciprocal_rank_fusion(rankings: Sequence[Sequence[str]], rank_constant: int = 60) -> list[tuple[str, float]]:
-    """Sum of ``1 / (rank_constant + rank)`` over the lists a hit appears in (rank starts at 1), best first."""
-    if rank_constant < 1:
-        raise ValueError("rank_constant must be at least 1")
-    fused: dict[str, float] = {}
-    for ranking in rankings:
-        for rank, key in enumerate(ranking, start=1):
-            fused[key] = fused.get(key, 0.0) + 1.0 / (rank_constant + rank)
-    return _ranked(fused)
-
-
-# --- Request bodies (pure) -------------------------------------------------------------------------
-
-
-# One analyzer for English and Chinese text, so a collection in both languages needs no per-document
-# setting: the standard tokenizer splits Han text into single characters, which ``cjk_bigram`` joins into
-# overlapping pairs (a word of two characters is found whole, and no dictionary is needed), while Latin
-# words are lower-cased and stemmed ("backups" finds "backup"). ``cjk_width`` folds full-width Latin and
-# digits ("９４４３") into their ASCII forms.
-TEXT_ANALYZER = {
-    "tokenizer": "standard",
-    "filter": ["cjk_width", "lowercase", "cjk_bigram", "english_possessive_stemmer", "porter_stem"],
-}
-
-
-def index_body(dimension: int, embedder_id: str, shards: int = 1, replicas: int = 0) -> dict[str, Any]:
-    text = {"type": "text", "analyzer": "cagflow_text"}
-    body = {
-        "settings": {
-            "index": {"knn": True, "number_of_shards": shards, "number_of_replicas": replicas},
-            "analysis": {
-                "analyzer": {"cagflow_text": TEXT_ANALYZER},
-                "filter": {"english_possessive_stemmer": {"type": "stemmer", "language": "possessive_english"}},
-            },
-        },
-        "mappings": {
-            "dynamic": "strict",
-            "properties": {
-                "chunk_id": {"type": "keyword"},
-                "doc_id": {"type": "keyword"},
-                "tier": {"type": "keyword"},
-                "version": {"type": "keyword"},
-                "published": {"type": "keyword"},  # ISO dates compare as strings
-                "source_sha256": {"type": "keyword"},
-                "title": text,
-                "section": text,
-                "text": text,
-                "embedding": {
-                    "type": "knn_vector",
-                    "dimension": dimension,
-                    "method": {"name": "hnsw", "engine": "lucene", "space_type": "cosinesimil"},
-                },
-            },
-        },
-    }
-    body["mappings"]["_meta"] = {"embedder": embedder_id}
-    body["mappings"]["_meta"]["schema"] = schema_id(body)
-    return body
-
-
-def schema_id(body: Mapping[str, Any]) -> str:
-    """What makes two indexes interchangeable: analysis settings, field mappings and the embedding model.
-    Shard and replica counts are left out (they change no search result)."""
-    mappings = {key: value for key, value in body["mappings"].items() if key != "_meta"}
-    embedder = body["mappings"].get("_meta", {}).get("embedder", "")
-    described = {"analysis": body["settings"].get("analysis"), "mappings": mappings, "embedder": embedder}
-    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def filter_clauses(tier: str | None = None, doc_id: str | None = None) -> list[dict[str, Any]]:
-    clauses = []
-    if tier is not None:
-        if tier not in TIERS:
-            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
-        clauses.append({"term": {"tier": tier}})
-    if doc_id is not None:
-        clauses.append({"term": {"doc_id": doc_id}})
-    return clauses
-
-
-def bm25_query(text: str, filters: list[dict[str, Any]]) -> dict[str, Any]:
-    match = {"multi_match": {"query": text, "fields": ["text", "title^2", "section"]}}
-    return {"bool": {"must": [match], "filter": filters}}
-
-
-def knn_query(vector: Sequence[float], k: int, filters: list[dict[str, Any]]) -> dict[str, Any]:
-    """Lucene-engine k-NN; filters apply during the graph search, so k hits survive filtering."""
-    clause: dict[str, Any] = {"vector": [float(value) for value in vector], "k": k}
-    if filters:
-        clause["filter"] = {"bool": {"filter": filters}}
-    return {"knn": {"embedding": clause}}
-
-
-def hybrid_query(text: str, vector: Sequence[float], depth: int, filters: list[dict[str, Any]]) -> dict[str, Any]:
-    """Filters go into each sub-query: the hybrid query's own ``filter`` only exists from 3.0."""
-    return {
-        "hybrid": {
-            "queries": [bm25_query(text, filters), knn_query(vector, depth, filters)],
-            "pagination_depth": depth,
-        }
-    }
-
-
-def normalization_pipeline(weights: Sequence[float]) -> dict[str, Any]:
-    return {
-        "description": "CAGFlow hybrid search: min-max normalisation, weighted arithmetic mean (BM25, k-NN)",
-        "phase_results_processors": [
-            {
-                "normalization-processor": {
-                    "normalization": {"technique": "min_max"},
-                    "combination": {"technique": "arithmetic_mean", "parameters": {"weights": list(weights)}},
-                }
-            }
-        ],
-    }
-
-
-def rrf_pipeline(rank_constant: int) -> dict[str, Any]:
-    return {
-        "description": "CAGFlow hybrid search: reciprocal rank fusion (BM25, k-NN)",
-        "phase_results_processors": [
-            {"score-ranker-processor": {"combination": {"technique": "rrf", "rank_constant": rank_constant}}}
-        ],
-    }
-
-
-def pipeline_name(body: Mapping[str, Any]) -> str:
-    """Named after its content, so clients with different settings never overwrite each other."""
-    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
-    return f"cagflow-hybrid-{digest}"
-
-
-# --- Client ----------------------------------------------------------------------------------------
 
 
 def _error_reason(error: TransportError) -> str:
@@ -511,12 +281,7 @@ class ChunkIndex:
             for chunk in batch:
                 vector = chunk.embedding if chunk.embedding is not None else computed[chunk.chunk_id]
                 lines.append({"index": {"_index": target, "_id": chunk.chunk_id}})
-                lines.append({
-                    "chunk_id": chunk.chunk_id, "doc_id": chunk.doc_id, "text": chunk.text, "tier": chunk.tier,
-                    "version": chunk.version, "title": chunk.title, "section": chunk.section,
-                    "published": chunk.published, "source_sha256": chunk.source_sha256,
-                    "embedding": [float(value) for value in vector],
-                })
+                lines.append(chunk_source(chunk, vector))
             response = self._call("bulk index", self._client.bulk, body=lines)
             if response.get("errors"):
                 failed = [item["index"] for item in response["items"] if "error" in item["index"]]
@@ -558,16 +323,12 @@ class ChunkIndex:
         to leak)."""
         body: dict[str, Any] = {
             "size": page_size, "query": {"bool": {"filter": filter_clauses(tier)}}, "sort": [{"chunk_id": "asc"}],
-            "_source": [*_SOURCE_FIELDS, "embedding", "source_sha256"],
+            "_source": [*SOURCE_FIELDS, "embedding", "source_sha256"],
         }
         while True:
             hits = self._call("scan", self._client.search, index=self.alias, body=body)["hits"]["hits"]
             for raw in hits:
-                source = raw["_source"]
-                yield Chunk(source["chunk_id"], source["doc_id"], source["text"], source["tier"],
-                            source.get("version", ""), source.get("title", ""), source.get("section", ""),
-                            source.get("published", ""), embedding=source["embedding"],
-                            source_sha256=source.get("source_sha256", ""))
+                yield chunk_from_source(raw["_source"])
             if len(hits) < page_size:
                 return
             body["search_after"] = hits[-1]["sort"]
@@ -632,7 +393,7 @@ class ChunkIndex:
         return name
 
     def _run_search(self, body: dict[str, Any], **params: Any) -> list[SearchHit]:
-        body = {**body, "_source": _SOURCE_FIELDS}
+        body = {**body, "_source": SOURCE_FIELDS}
         response = self._call("search", self._client.search, index=self.alias, body=body, **params)
         return [_hit(raw, raw["_score"]) for raw in response["hits"]["hits"]]
 
@@ -642,7 +403,7 @@ class ChunkIndex:
         """One ``_msearch`` round trip for BM25 and k-NN, fused here."""
         lines: list[dict[str, Any]] = []
         for sub_query in (bm25_query(query, filters), knn_query(vector, depth, filters)):
-            lines += [{"index": self.alias}, {"size": depth, "query": sub_query, "_source": _SOURCE_FIELDS}]
+            lines += [{"index": self.alias}, {"size": depth, "query": sub_query, "_source": SOURCE_FIELDS}]
         response = self._call("hybrid search", self._client.msearch, body=lines)
         result_lists: list[dict[str, float]] = []
         by_id: dict[str, dict[str, Any]] = {}

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import numpy as np
 
 from ..answering.grounding import identifiers, listed_figures
-from .retrieval import Chunk
+from .index_schema import Chunk
 
 if TYPE_CHECKING:
     from ..answering.qa import QAItem

@@ -3,8 +3,9 @@
 import math
 
 import pytest
-from cagflow.search.retrieval import (filter_clauses, hybrid_query, knn_query, min_max_fusion, min_max_normalize,
-                                      normalization_pipeline, pipeline_name, reciprocal_rank_fusion, rrf_pipeline)
+from cagflow.search.fusion import min_max_fusion, min_max_normalize, reciprocal_rank_fusion
+from cagflow.search.queries import (filter_clauses, hybrid_query, knn_query, normalization_pipeline, pipeline_name,
+                                    rrf_pipeline)
 
 
 def test_min_max_normalize_scales_to_unit_interval():
