@@ -5,14 +5,15 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.cagflow-deps
 PYTEST_ARGS ?=
 
-.PHONY: install lint browser redis tools run stop test test-unit images test-containers help
+.PHONY: install lint browser redis tools run stop test test-unit test-static images test-containers help
 
 help:
 	@echo "make run   - install, start OpenSearch, Triton, Airflow and the REST API, run the ingest and precompute"
 	@echo "             DAGs on the sample corpus, then ask sample questions through the API"
 	@echo "make stop  - stop the services make run started"
-	@echo "make test  - install and run the whole test suite (it starts its own servers on 127.0.0.1)"
+	@echo "make test  - install and run the test suite (it starts its own servers on 127.0.0.1); not the tools tests"
 	@echo "make test-unit - ruff, then the tests that need no server, no real model and no make tools (no network)"
+	@echo "make test-static - the container files' static checks (compose, hadolint, promtool, kustomize; needs make tools)"
 	@echo "make lint  - ruff check of the whole checkout (pyproject.toml's [tool.ruff])"
 	@echo "make tools - build the container files' linters once (compose, promtool, kustomize, hadolint; ~11 min the first time)"
 	@echo "make images - build every image docker/docker-compose.yml runs, without a registry (docker/build-local.sh)"
@@ -108,12 +109,18 @@ tools: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check
 
-test: lint install browser redis tools
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+# Every test but the container files' static checks (marked tools), which need the Go-built linters: `make test-static`.
+test: lint install browser redis
+	$(BIN)/python -m pytest -m "not tools" $(PYTEST_ARGS)
 
-# The quick tests, offline: no server (integration), no real model (real_model) and no Go build (tools, `make test`).
+# The quick tests, offline: no server (integration), no real model (real_model) and no Go build (tools).
 test-unit: lint install
 	$(BIN)/python -m pytest -m "not integration and not real_model and not tools" $(PYTEST_ARGS)
+
+# The container files checked without a Docker daemon (compose config, hadolint, promtool, kustomize): `make tools`
+# builds the linters once (~11 min the first time), then these tests take seconds.
+test-static: install tools
+	$(BIN)/python -m pytest -m tools $(PYTEST_ARGS)
 
 # The container images, built from package registries only (no image registry): the Debian and Python bases, local
 # equivalents of the third-party images and the project's image (docker/build-local.sh; --rebuild: REBUILD=1).
@@ -125,5 +132,5 @@ images: install tools
 # workers with one killed mid-precompute, two Triton replicas with one killed under load, two routers behind nginx
 # sharing keys and rate limits, two OpenSearch nodes); removes its containers. SCALE=0: the small stack only;
 # SCALE=only: the scale-out profile only.
-test-containers: install tools
+test-containers: test-static
 	@PYTHON=$(BIN)/python bash docker/test-containers.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The linters of the container files, installed once into a cache outside the checkout so that `make test`
+# The linters of the container files, installed once into a cache outside the checkout so that `make test-static`
 # needs no Docker daemon and no network after the first run:
 #   Docker Compose (`docker compose config`), built from the Go module proxy as a docker CLI plugin;
 #   promtool (Prometheus 3), built from the Go module proxy;
