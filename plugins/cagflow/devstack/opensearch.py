@@ -6,7 +6,7 @@ k-NN *and* neural-search are both published, so the hybrid query and its normali
 server-side. Its minimal distribution holds only the transport module, so the two modules the project
 needs are rebuilt from their published jars: ``lang-painless`` (k-NN extends it), ``reindex``
 (delete-by-query) and ``analysis-common`` (the CJK bigram and English stemming filters of the text
-analyzer, see ``cagflow.search.retrieval``).
+analyzer, see ``cagflow.search.index_schema``).
 
 Everything is fetched once into ``~/.cache/cagflow/opensearch`` (``CAGFLOW_OPENSEARCH_CACHE``
 overrides it); each node keeps its config, data and logs in a directory its caller chooses.

@@ -18,8 +18,8 @@ import pandas as pd
 
 from ..documents.keys import DOC_ID_PATTERN, VERSION_PATTERN
 from ..errors import CagflowError
+from ..search.index_schema import TIERS
 
-TIERS = ("fixed", "variable")
 CHUNK_ID_PATTERN = rf"^{DOC_ID_PATTERN.pattern[1:-1]}:{VERSION_PATTERN.pattern[1:-1]}:[0-9]+$"
 _SHOWN_ROWS = 5
 
