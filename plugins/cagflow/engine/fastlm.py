@@ -40,7 +40,7 @@ results then do not depend on the thread count. Where that is impossible (MKL al
 or another BLAS) ``f32`` is refused and ``auto`` picks ``int8pack``.
 
 Weights: the first load of a model quantises its checkpoint and writes the prepared tensors to one file
-that every process then maps read-only (``prepared_weights``, ``weights_file``); the kernels and MKL's mode
+that every process then maps read-only (``model.prepared_weights``, ``weights_file``); the kernels and MKL's mode
 live in ``kernels``, the configuration and recipe names in ``lm_config``.
 
 Entry points: ``FastLM.from_pretrained(folder)``, ``FastLM.load(folder, weights_file)``, ``prefill_prefix(ids)``,
@@ -61,8 +61,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..config import CACHE_HOME
-from ..files import prepare_lock
 from .kernels import MKL_STRICT_ERROR, native_error, native_kernels
 from .lm_config import (LMConfig, config_from_hf, folder_config, recipe_name, rope_tables, shapes_fit_native,
                         torch_matmul)
@@ -73,22 +71,6 @@ log = logging.getLogger("cagflow.engine")
 WIDE_BLOCK = 64  # tokens a row from which the torch backend's f32 matmul computes a block with fp32 GEMMs
 
 PrefixKV = tuple[list[torch.Tensor], list[torch.Tensor]]  # (keys, values): per layer [kv_heads, T, head_dim] bf16
-
-
-def prepared_weights(folder: Path, fingerprint: str) -> Path:
-    """The prepared-weights file of a model folder under the recipe its ``fingerprint`` names: written once
-    (under a lock, so concurrent first loads quantise once), kept in ``$CAGFLOW_HOME/weights``. Files of
-    the same folder under other recipes or weights are removed (a process mapping one keeps its pages)."""
-    weights_dir = CACHE_HOME / "weights"
-    path = weights_dir / f"{folder.name}-{fingerprint[:16]}.fastlm"
-    with prepare_lock(path):
-        if not path.exists():
-            log.info("preparing int8 weights of %s in %s (once)", folder.name, path)
-            FastLM.from_pretrained(folder).save_weights(path)
-            for stale in weights_dir.glob(f"{folder.name}-*.fastlm"):
-                if stale != path:
-                    stale.unlink(missing_ok=True)
-    return path
 
 
 @dataclass

@@ -290,14 +290,30 @@ def identify_model(spec: str, precision: str) -> tuple[Path, str, str]:
     return model_dir, recipe, model_fingerprint(model_dir, recipe)
 
 
+def prepared_weights(folder: Path, fingerprint: str) -> Path:
+    """The prepared-weights file of a model folder under the recipe its ``fingerprint`` names: written once
+    (under a lock, so concurrent first loads quantise once), kept in ``$CAGFLOW_HOME/weights``. Files of
+    the same folder under other recipes or weights are removed (a process mapping one keeps its pages)."""
+    weights_dir = CACHE_HOME / "weights"
+    path = weights_dir / f"{folder.name}-{fingerprint[:16]}.fastlm"
+    with prepare_lock(path):
+        if not path.exists():
+            log.info("preparing int8 weights of %s in %s (once)", folder.name, path)
+            from .fastlm import FastLM
+
+            FastLM.from_pretrained(folder).save_weights(path)
+            for stale in weights_dir.glob(f"{folder.name}-*.fastlm"):
+                if stale != path:
+                    stale.unlink(missing_ok=True)
+    return path
+
+
 def prepare_model(spec: str, precision: str) -> tuple[Path, str, str]:
     """Everything a first load would do once (convert the model, build the kernels): (folder, recipe,
     fingerprint). Safe to run in several processes at once."""
-    from . import fastlm
-
     model_dir, recipe, fingerprint = identify_model(spec, precision)
     if recipe != "fp32":
-        fastlm.prepared_weights(model_dir, fingerprint)
+        prepared_weights(model_dir, fingerprint)
     return model_dir, recipe, fingerprint
 
 
@@ -308,7 +324,7 @@ def load_model(spec: str, threads: int = 1, precision: str = "int8") -> LoadedMo
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .fastlm import FastLM, prepared_weights
+    from .fastlm import FastLM
 
     if threads:
         torch.set_num_threads(threads)

@@ -11,6 +11,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from cagflow.engine import fastlm, kernels, lm_config, weights_file
+from cagflow.engine import model as engine_model
 
 # (backend, matmul): the torch backend's two kernels, and the native one where the CPU has it
 KERNELS = [("torch", "int8pack"), ("torch", "f32")] + (
@@ -389,12 +390,12 @@ def test_prepared_weights_are_mapped_from_the_file_and_answer_bitwise_the_same(t
 
 
 def test_prepared_weights_are_written_once_per_model_and_recipe(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(fastlm, "CACHE_HOME", tmp_path)
+    monkeypatch.setattr(engine_model, "CACHE_HOME", tmp_path)
     folder = tmp_path / "tiny-model"
     tiny_model.save_pretrained(folder)
-    first = fastlm.prepared_weights(folder, "a" * 64)
+    first = engine_model.prepared_weights(folder, "a" * 64)
     written = first.stat().st_mtime_ns
-    assert fastlm.prepared_weights(folder, "a" * 64) == first and first.stat().st_mtime_ns == written
-    second = fastlm.prepared_weights(folder, "b" * 64)  # new weights or recipe: the old file goes
+    assert engine_model.prepared_weights(folder, "a" * 64) == first and first.stat().st_mtime_ns == written
+    second = engine_model.prepared_weights(folder, "b" * 64)  # new weights or recipe: the old file goes
     assert second != first and second.exists() and not first.exists()
     assert sorted(p.name for p in second.parent.iterdir() if not p.name.startswith(".")) == [second.name]
