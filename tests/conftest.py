@@ -97,6 +97,27 @@ def corpus_manifest_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def sample_subset():
+    """Writes a corpus of some sample documents: ``write(target, doc_ids, versions=None)`` copies their files
+    into ``target`` with a manifest of them (``versions`` overrides some versions) and returns its path."""
+    import shutil
+
+    import yaml
+
+    def write(target: Path, doc_ids: list[str], versions: dict[str, str] | None = None) -> Path:
+        sample = yaml.safe_load(CORPUS_MANIFEST.read_text())["documents"]
+        entries = [{**entry, "version": (versions or {}).get(entry["doc_id"], entry["version"])}
+                   for entry in sample if entry["doc_id"] in doc_ids]
+        for entry in entries:
+            (target / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(CORPUS_MANIFEST.parent / entry["path"], target / entry["path"])
+        (target / "manifest.yaml").write_text(yaml.safe_dump({"documents": entries}))
+        return target / "manifest.yaml"
+
+    return write
+
+
+@pytest.fixture(scope="session")
 def corpus():
     from cagflow.store.manifests import CorpusManifest
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import secrets
-import shutil
 import subprocess
 import sys
 import time
@@ -102,18 +101,6 @@ def use(monkeypatch, airflow_db, opensearch_url, tmp_path):
         monkeypatch.setenv("CAGFLOW__CORPUS__MANIFEST", str(manifest))
         return connections.snapshot_store(), connections.chunk_index()
     return configure
-
-
-def write_corpus(target: Path, doc_ids: list[str], versions: dict[str, str] | None = None) -> Path:
-    """A manifest of some sample documents (files copied), optionally with other versions."""
-    sample = yaml.safe_load((SAMPLE / "manifest.yaml").read_text())["documents"]
-    entries = [{**entry, "version": (versions or {}).get(entry["doc_id"], entry["version"])}
-               for entry in sample if entry["doc_id"] in doc_ids]
-    for entry in entries:
-        (target / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(SAMPLE / entry["path"], target / entry["path"])
-    (target / "manifest.yaml").write_text(yaml.safe_dump({"documents": entries}))
-    return target / "manifest.yaml"
 
 
 def objects(store) -> dict[str, tuple[int, float]]:
@@ -236,12 +223,13 @@ def test_second_run_skips_every_unchanged_document_and_writes_nothing(sample_run
 
 
 @integration
-def test_an_edited_document_is_ingested_again_and_one_removed_leaves_the_release(use, tmp_path, tiny_model_dir):
+def test_an_edited_document_is_ingested_again_and_one_removed_leaves_the_release(use, tmp_path, tiny_model_dir,
+                                                                                  sample_subset):
     """Incremental runs cost what changed: an edited file (same version) is chunked and embedded again while
     its snapshot, keyed by version, is kept; a document dropped from the manifest leaves the index and the
     release although nothing is computed."""
     doc_ids = ["support-faq", "data-retention-backup-guide", "security-access-policy"]
-    manifest = write_corpus(tmp_path / "corpus", doc_ids)
+    manifest = sample_subset(tmp_path / "corpus", doc_ids)
     store, index = use(manifest=manifest)
     assert run_dag("cag_fixed_precompute").state == "success"
     first = load_release(store)
@@ -309,15 +297,15 @@ def test_a_failed_part_publishes_nothing_and_a_rerun_completes_it(use, tiny_mode
 
 
 @integration
-def test_version_bump_writes_a_new_key_and_keeps_the_old_one(use, tmp_path, tiny_model_dir):
+def test_version_bump_writes_a_new_key_and_keeps_the_old_one(use, tmp_path, tiny_model_dir, sample_subset):
     doc_ids = ["support-faq", "data-retention-backup-guide"]
-    store, index = use(manifest=write_corpus(tmp_path / "v1", doc_ids))
+    store, index = use(manifest=sample_subset(tmp_path / "v1", doc_ids))
     assert run_dag("cag_fixed_precompute").state == "success"
     first = load_release(store)
     old_faq = first.for_doc("support-faq")[0]
     before = objects(store)
 
-    use(manifest=write_corpus(tmp_path / "v2", doc_ids, {"support-faq": "1.8.0"}), index=index.alias)
+    use(manifest=sample_subset(tmp_path / "v2", doc_ids, {"support-faq": "1.8.0"}), index=index.alias)
     run = run_dag("cag_fixed_precompute")
 
     assert run.state == "success", states(run)
@@ -355,8 +343,8 @@ def test_version_bump_writes_a_new_key_and_keeps_the_old_one(use, tmp_path, tiny
 
 
 @integration
-def test_an_empty_document_fails_validation_readably_and_publishes_nothing(use, tmp_path, capfd):
-    manifest = write_corpus(tmp_path / "corpus", ["support-faq"])
+def test_an_empty_document_fails_validation_readably_and_publishes_nothing(use, tmp_path, capfd, sample_subset):
+    manifest = sample_subset(tmp_path / "corpus", ["support-faq"])
     (tmp_path / "corpus" / "fixed" / "release-checklist.md").write_text("# Release Checklist\n\n")
     documents = yaml.safe_load(manifest.read_text())
     documents["documents"].append({"doc_id": "release-checklist", "version": "1.0.0", "tier": "fixed",
@@ -423,7 +411,7 @@ def test_precompute_into_s3_with_settings_from_airflow_connections(use, seaweedf
 
 
 @integration
-def test_variable_ingest_indexes_documents_and_removes_dropped_ones(use, corpus, tmp_path):
+def test_variable_ingest_indexes_documents_and_removes_dropped_ones(use, corpus, tmp_path, sample_subset):
     variable_ids = [entry.doc_id for entry in corpus.tier("variable")]
     _, index = use()
 
@@ -444,7 +432,7 @@ def test_variable_ingest_indexes_documents_and_removes_dropped_ones(use, corpus,
     assert len(returned(forced, "embed")) == len(chunks) and index.count(tier="variable") == len(chunks)
 
     dropped = "price-change-2025"
-    use(manifest=write_corpus(tmp_path / "fewer", [d for d in variable_ids if d != dropped]), index=index.alias)
+    use(manifest=sample_subset(tmp_path / "fewer", [d for d in variable_ids if d != dropped]), index=index.alias)
     rerun = run_dag("cag_variable_ingest")
 
     assert rerun.state == "success", states(rerun)
@@ -513,12 +501,13 @@ def triton(tiny_model_dir, tmp_path_factory):
 
 
 @integration
-def test_precompute_delegated_to_triton_then_serving_switches_to_the_release(triton, use, monkeypatch, tmp_path):
+def test_precompute_delegated_to_triton_then_serving_switches_to_the_release(triton, use, monkeypatch, tmp_path,
+                                                                              sample_subset):
     from cagflow.devstack.triton import DEFAULT_MODEL_REPOSITORY
 
     server, triton_store = triton
     doc_ids = ["support-faq", "data-retention-backup-guide"]
-    store, _ = use(f"file://{triton_store}", manifest=write_corpus(tmp_path / "corpus", doc_ids))
+    store, _ = use(f"file://{triton_store}", manifest=sample_subset(tmp_path / "corpus", doc_ids))
     monkeypatch.setenv("CAGFLOW__PRECOMPUTE__VIA", "triton")
     monkeypatch.setenv("CAGFLOW__PRECOMPUTE__TRITON_URL", server.http_url)
 
