@@ -84,10 +84,13 @@ def triton_environment(model_dir, store_root) -> dict[str, str]:
             "CAGFLOW__MODEL__RELEVANCE__DECLINE_BELOW_EN": str(DECLINE_BELOW)}  # off by default: exercised here
 
 
+TRITON_MODELS = ["cag_llm", "cag_llm_stream"]  # what the router asks; cag_precompute would only slow each start
+
+
 @pytest.fixture(scope="module")
 def triton(release_store, tiny_model_dir, tmp_path_factory):
     store, _ = release_store
-    with LocalTriton(tmp_path_factory.mktemp("router-triton"),
+    with LocalTriton(tmp_path_factory.mktemp("router-triton"), models=TRITON_MODELS,
                      environment=triton_environment(tiny_model_dir, store.root)) as server:
         yield server
 
@@ -586,7 +589,7 @@ def test_readiness_fails_while_triton_is_down_and_recovers(router, keys, triton,
     refused = requests.post(f"{url}/v1/query", json={"question": OUT_OF_SCOPE}, headers=keys[1], timeout=30)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "triton_unavailable"
     wait_until_free(ports.values())  # the old server's closed connections hold its ports for a while
-    with LocalTriton(tmp_path_factory.mktemp("router-triton-again"), ports=ports,
+    with LocalTriton(tmp_path_factory.mktemp("router-triton-again"), ports=ports, models=TRITON_MODELS,
                      environment=triton_environment(tiny_model_dir, store.root)):
         back = requests.get(f"{url}/readyz", timeout=30)
         assert back.status_code == 200 and back.json()["triton"]["ready"] is True
