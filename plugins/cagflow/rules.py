@@ -22,13 +22,11 @@ class Rule:
 
 
 RULES: dict[str, Rule] = {rule.name: rule for rule in (
-    Rule("no_quantity", "decline", "engine", "an amount is asked (how many / 多少) and the answer states none"),
     Rule("unsupported_figures", "decline", "engine",
          "the answer states a number or identifier (or a unit for it) that its document and passages lack, or "
          "the question names an identifier they lack"),
     Rule("off_topic_figures", "decline", "engine",
          "an amount is asked and each figure stated stands in the source only in sentences off the question's topic"),
-    Rule("no_name", "decline", "engine", "a 'which ...' / name is asked and the answer names nothing new"),
     Rule("question_name_absent", "decline", "engine",
          "a Chinese question names a person, place, organisation or work (jieba's tags) that its document and "
          "passages lack: it is about another document"),

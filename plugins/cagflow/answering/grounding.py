@@ -9,15 +9,11 @@ something the documents do not know. It is a one-sided check: an invented answer
 and a supported figure is never doubted.
 
 A number with a unit is one figure: "60 seconds" is unsupported by a document that says "60 minutes"
-wherever it writes 60. Three checks catch the model answering next to the question, each on a question that
-says what kind of answer it wants:
-- an amount asked ("How many days ...?", "How much does ... cost?", "多长时间", "几年") and none stated besides
-  the question's own ("action items are tracked weekly until they are closed"): ``no_quantity``;
-- an amount asked and every figure stated found in the source only in sentences that share no word with the
-  question ("How many employees?" answered from "at most 10 Administrator accounts"): ``off_topic_figures``;
-- "Which ...?" (or the name, fingerprint, address ... of something) asked and nothing named that the question
-  did not already name ("The chat application is the chat system."): ``no_name``.
-And one on the question itself: a Chinese question that names someone or something (a person, place,
+wherever it writes 60. One check catches the model answering next to the question: an amount asked ("How
+many employees?") and every figure stated found in the source only in sentences that share no word with the
+question ("at most 10 Administrator accounts"): ``off_topic_figures``. (Checks on the wording of an answer
+alone, "no amount stated" and "no name stated", declined right answers on public data: "infinitely many
+primes" has an amount in words; they were removed.) And one on the question itself: a Chinese question that names someone or something (a person, place,
 organisation or work, as jieba tags it) its source never mentions is about another document, however well
 the answer reads ("杨丽音是何时毕业于国光艺校戏剧科的？" over an article on 黄华麒): ``question_name_absent``.
 
@@ -47,13 +43,11 @@ _ORDINAL = re.compile(r"(\d+)(?:st|nd|rd|th)")
 # counts it.
 _NAMING_WORD = re.compile(r"(?:\b(?:port|code|alarm|error|id|number|version|release|ticket|incident|rule|build|model)s?"
                           r"|端口|告警|错误码|代码|编号|版本|缺陷|型号|工单)\s*$", re.IGNORECASE)
-# Questions that ask for an amount: the answer must state one.
+# Questions that ask for an amount (off_topic_figures looks where the answer's figures stand).
 _ASKS_QUANTITY = re.compile(r"\bhow\s+(?:many|much|long|old|big|large|far|soon|fast|heavy)\b"
                             r"|多少|多久|多长|多大|几[个天年次位小分秒月周条台点倍人名项级]", re.IGNORECASE)
-_HAN_NUMERAL = re.compile(r"[零一二两三四五六七八九十百千万半]")
 _NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
                  "twelve")
-_QUANTITY_WORD = re.compile(rf"\b(?:{'|'.join(_NUMBER_WORDS[1:])}|dozen|hundred|thousand|million|half|twice)\b")
 # Units a number is read with, by the canonical name they are compared under. "月" and "日" alone are parts
 # of a date (3月18日), not durations; dates are taken out before units are read.
 _UNITS = {
@@ -75,13 +69,6 @@ _AMOUNT = rf"(\d+(?:\.\d+)?|{'|'.join(_NUMBER_WORDS)})"
 _WITH_UNIT = re.compile(rf"(?<![\w.]){_AMOUNT}((?:\s*(?:-|–|~|to|and|or|至|到|或)\s*{_AMOUNT})*)[\s-]*"
                         rf"(?:{'|'.join(f'(?P<{name}>{spelling})' for name, spelling in _UNITS.items())})(?![a-z])")
 _DATE = re.compile(r"\d{4}\s*年\s*\d{1,2}\s*月(?:\s*\d{1,2}\s*[日号])?|\d{1,2}\s*月\s*\d{1,2}\s*[日号]")
-# "Which ...?", or the name of something: the answer must name something.
-_ASKS_NAME = re.compile(r"^\s*(?:which\b|what(?:'s|\s+is|\s+are|\s+was)?\s+the\s+"
-                        r"(?:names?|fingerprint|e-?mail|address|url|hostname|path|command|serial)\b)", re.IGNORECASE)
-_TERM = re.compile(r"`[^`]+`|\"[^\"]+\"|“[^”]+”|/?\w[\w@./:+-]*")
-# Capitalised at the start of a sentence, these name nothing.
-_OPENERS = frozenset("the a an it its this that these those they there yes no you your we our in on for to if when "
-                     "use each every all both".split())
 # Words that carry no topic: a question's sentence in the source must share one of the others.
 _FUNCTION_WORDS = frozenset("""a an the of to in on for at by with from and or is are was were be been being do does
 did have has had how many much long old big large far soon fast heavy what which who whom whose when where why can
@@ -137,20 +124,6 @@ def identifiers(question: str) -> list[str]:
 def is_declined(answer: str) -> bool:
     """Whether the answer says the documents do not hold the answer (in the prompt's words or close to them)."""
     return bool(_DECLINE.search(answer))
-
-
-def _quantity_words(text: str) -> set[str]:
-    return set(_QUANTITY_WORD.findall(text.lower())) | set(_HAN_NUMERAL.findall(text))
-
-
-def states_no_quantity(answer: str, question: str) -> bool:
-    """Whether ``question`` asks for an amount and ``answer`` states none besides the question's own figures
-    and number words."""
-    if not _ASKS_QUANTITY.search(question):
-        return False
-    given = set(figures(question))
-    return (all(figure in given for figure in figures(answer))
-            and not _quantity_words(answer) - _quantity_words(question))
 
 
 def _amounts_with_units(text: str) -> list[tuple[str, str, str]]:
@@ -212,25 +185,11 @@ def figures_off_topic(answer: str, source: str, question: str) -> bool:
     return located
 
 
-def names_nothing(answer: str, question: str) -> bool:
-    """Whether ``question`` asks which thing (or its name) and ``answer`` names nothing the question did not:
-    no figure, capitalised word, quoted or code-like term of its own."""
-    if not _ASKS_NAME.search(question):
-        return False
-    asked = {term.lower().strip(".,:;?") for term in _TERM.findall(question)}
-    for term in _TERM.findall(answer):
-        term = term.strip(".,:;")
-        specific = (term[:1] in "`\"“" or re.search(r"[\d@/_A-Z]|\w\.\w", term)) and term.lower() not in _OPENERS
-        if specific and term.lower() not in asked:
-            return False
-    return True
-
-
 @dataclass(frozen=True)
 class Grounding:
     answered: bool
     unsupported: tuple[str, ...] = ()  # figures of the answer that its source does not contain
-    misses: str | None = None  # the answer states no answer to the question: no_quantity, off_topic_figures, no_name
+    misses: str | None = None  # the answer answers next to the question: off_topic_figures, question_name_absent
     fired: tuple[str, ...] = ()  # every rule that holds the answer unsupported, switched off or not
 
     @property
@@ -273,9 +232,8 @@ def check(answer: str, source: str | None, question: str = "", disabled: frozens
     stated = [*named, *(figure for figure in figures(answer) if figure not in given)]
     missing = tuple(dict.fromkeys([*(figure for figure in stated if not _in_source(figure, text)),
                                    *_wrong_units(_normalise(answer), text, _normalise(question))]))
-    verdicts = {"no_quantity": states_no_quantity(answer, question), "unsupported_figures": bool(missing),
+    verdicts = {"unsupported_figures": bool(missing),
                 "off_topic_figures": figures_off_topic(answer, source, question),
-                "no_name": names_nothing(answer, question),
                 "question_name_absent": any(name.lower() not in source.lower() for name in question_names(question))}
     fired = tuple(name for name in DECLINE_ORDER if verdicts.get(name))
     deciding = [name for name in fired if name not in disabled]

@@ -26,7 +26,7 @@ class Answer:
     snapshot_key: str | None = None
     answered: bool = True  # False: declined, or states figures its document or passages lack (answering.grounding)
     unsupported: tuple[str, ...] = ()
-    misses: str | None = None  # declined: the text answers next to the question (answering.grounding: no_quantity ...)
+    misses: str | None = None  # declined: the answer is next to the question (answering.grounding: off_topic_figures)
     relevance: float | None = None  # the model's P("yes") that its text answers the question (None: not asked)
     not_relevant: bool = False  # declined because that probability was below the engine's threshold
     reasked: bool = False  # the model declined, judged its text to answer after all, and was asked again

@@ -140,18 +140,12 @@ def test_chinese_keywords_match_with_or_without_spaces_and_the_language_is_read_
     assert not item.is_correct("空闲 150 分钟后退出，并记录告警 YF-E104。") and not item.is_correct("文档中没有相关信息。")
 
 
-@pytest.mark.parametrize(("answer", "question"), [
-    # the 1.5B model's answers to questions no sample document answers
-    ("The action items from SEV2 postmortems are tracked weekly by the Director of Site Reliability Engineering "
-     "until they are closed.", "How many days do owners have to close action items from a SEV2 postmortem?"),
-    ("The warranty can be extended to 5 years when purchased together with the appliance.",  # 5: the question's
-     "How much does it cost to extend an appliance warranty to 5 years?"),
-    ("宽限期内网关照常工作；宽限期结束后网关停止向上游转发，但仍会继续接收数据并写入本地缓存。",
-     "许可证到期以后网关还能正常工作多长时间？"),
-])
-def test_an_answer_without_the_amount_the_question_asks_for_is_declined(answer, question):
-    verdict = check(answer, SOURCE + ZH_SOURCE, question)
-    assert not verdict.answered and verdict.misses == verdict.reason == "no_quantity"
+def test_an_answer_stating_no_figure_to_an_amount_question_is_not_declined_for_its_wording():
+    """Whether an answer holds the amount asked is not read from its words: such a rule declined right answers
+    on public data (SQuAD: "infinitely many primes"); only invented or off-topic figures are declined."""
+    verdict = check("There are infinitely many primes.", "Euclid proved that there are infinitely many primes.",
+                    "How many prime numbers are there?")
+    assert verdict.answered and verdict.fired == ()
 
 
 @pytest.mark.parametrize(("answer", "question"), [
@@ -226,48 +220,24 @@ def test_an_amount_from_a_sentence_on_the_questions_topic_is_answered(answer, qu
     assert check(answer, POLICY, question).answered
 
 
-@pytest.mark.parametrize(("answer", "question"), [
-    ("The chat application is the chat system.", "Which chat application do engineers type /incident declare into?"),
-    ("Harrowgate recommends time-based one-time passwords (TOTP) from an authenticator app.",
-     "Which authenticator app does Harrowgate recommend for TOTP codes?"),
-    ("The PGP key used to encrypt vulnerability reports is published on our website.",
-     "What is the fingerprint of the PGP key used to encrypt vulnerability reports?"),
-])
-def test_an_answer_naming_nothing_to_a_which_question_is_declined(answer, question):
-    verdict = check(answer, POLICY, question)
-    assert not verdict.answered and verdict.misses == verdict.reason == "no_name"
-
-
-@pytest.mark.parametrize(("answer", "question"), [
-    ("Foghorn", "Which paging system sends the pages?"),  # a name, even as the whole answer
-    ("Type `/incident declare`.", "Which command declares an incident?"),  # a code term
-    ("In the chat system, with /incident declare.", "Which tool is an incident declared in?"),
-    ("Port 8443.", "Which port does the web console use?"),  # a figure
-    ("It is published on our website.", "Where is the PGP key published?"),  # not a which question
-])
-def test_an_answer_that_names_something_answers_a_which_question(answer, question):
-    assert check(answer, POLICY + SOURCE, question).answered
-
-
 def test_every_rule_that_holds_is_reported_and_only_switched_on_ones_decide():
     question = "How many sensors does one licence pack hold?"
-    answer = "A pack holds 9,999 sensors."  # an invented figure; the question's amount is stated, so no_quantity holds not
+    answer = "A pack holds 9,999 sensors."  # an invented figure
     verdict = check(answer, SOURCE, question)
     assert not verdict.answered and verdict.reason == "unsupported_figures" and verdict.fired == ("unsupported_figures",)
     switched_off = check(answer, SOURCE, question, frozenset({"unsupported_figures"}))
     assert switched_off.answered and switched_off.fired == ("unsupported_figures",) and switched_off.unsupported == ()
-    vague = "Each pack holds many sensors."  # no amount and no name: no_quantity decides
-    assert check(vague, SOURCE, question).reason == "no_quantity"
-    assert check(vague, SOURCE, question, frozenset({"no_quantity"})).answered
 
 
 def test_unknown_rule_names_are_refused_with_the_known_ones():
     from cagflow.config import Config
     from cagflow.rules import RULES
 
-    with pytest.raises(ValueError, match="unknown rule.*no_such_rule.*no_quantity"):
+    with pytest.raises(ValueError, match="unknown rule.*no_such_rule.*unsupported_figures"):
         Config.model_validate({"rules": {"disabled": ["no_such_rule"]}})
-    assert Config.model_validate({"rules": {"disabled": ["no_name"]}}).rules.disabled == ["no_name"]
+    with pytest.raises(ValueError, match="unknown rule.*no_quantity"):  # a rule that was removed
+        Config.model_validate({"rules": {"disabled": ["no_quantity"]}})
+    assert Config.model_validate({"rules": {"disabled": ["off_topic_figures"]}}).rules.disabled == ["off_topic_figures"]
     assert {rule.acts for rule in RULES.values()} == {"decline", "reask", "gate"}
 
 

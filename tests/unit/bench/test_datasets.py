@@ -165,14 +165,15 @@ def test_the_ablation_scores_what_each_rule_did_from_the_rules_that_fired(tmp_pa
         return {"auto": {"answered": answered, "right": right, "decline_reason": reason, "rules_fired": list(fired),
                          "model_answer": model_answer}}
 
-    rows = [{"id": "1", **asked(False, False, "no_name", ["no_name"], "It is 42.")},  # a right answer lost
-            {"id": "2", **asked(False, False, "no_name", ["no_quantity", "no_name"], "It is 42.")},  # not alone
-            {"id": "3", **asked(False, True, "no_name", ["no_name"], "It is 7.")},  # an unanswerable one caught
+    rule = "off_topic_figures"
+    rows = [{"id": "1", **asked(False, False, rule, [rule], "It is 42.")},  # a right answer lost
+            {"id": "2", **asked(False, False, rule, ["unsupported_figures", rule], "It is 42.")},  # not alone
+            {"id": "3", **asked(False, True, rule, [rule], "It is 7.")},  # an unanswerable one caught
             {"id": "4", **asked(True, True, None, ["reask_relevant_decline"])},  # a re-ask won a right answer
             {"id": "5", **asked(False, True, "no_relevant_passage", ["no_relevant_passage"])}]
     table = dataset_answers.ablation(rows, questions)
-    assert table["no_name"] == {"acts": "decline", "fired": 3, "decided": 2, "right_lost": 1,
-                                "unanswerable_caught": 1, "net": 0}
+    assert table[rule] == {"acts": "decline", "fired": 3, "decided": 2, "right_lost": 1, "unanswerable_caught": 1,
+                           "net": 0}
     assert table["reask_relevant_decline"] == {"acts": "reask", "fired": 1, "right_won": 1, "net": 1}
     assert table["no_relevant_passage"]["unanswerable_caught"] == 1 and table["no_relevant_passage"]["net"] == 1
-    assert table["off_topic_figures"] == {"acts": "decline", "net": 0}
+    assert table["question_name_absent"] == {"acts": "decline", "net": 0}
