@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import socket
+import threading
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import pytest
+from cagflow.devstack.opensearch import free_port
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,3 +33,73 @@ def embeddings_computed_once():
     Embedder._encode = encode_once
     yield
     Embedder._encode = encode
+
+
+class Forwarder:
+    """A TCP port that forwards to a server while open: "the server is unreachable" and "it is back" without
+    stopping a server other tests share. Closing it also cuts the connections it carries, as a stopped
+    server would."""
+
+    def __init__(self, target_url: str):
+        host, port = target_url.split("://")[-1].split(":")
+        self.target = (host, int(port))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._listener: socket.socket | None = None
+        self._carried: list[socket.socket] = []
+
+    def open(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+
+    def close(self) -> None:
+        if self._listener is not None:
+            _shut(self._listener)  # wakes the accepting thread: close() alone leaves it accepting on Linux
+            self._listener.close()
+            self._listener = None
+        for end in self._carried:
+            _shut(end)
+        self._carried.clear()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self._carried += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                _shut(end)
+
+
+def _shut(end: socket.socket) -> None:
+    try:
+        end.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+@pytest.fixture
+def forwarder() -> Iterator[Callable[[str], Forwarder]]:
+    """Makes closed forwarders to a URL (``open()`` them); every one is closed after the test."""
+    made: list[Forwarder] = []
+
+    def make(target_url: str) -> Forwarder:
+        made.append(Forwarder(target_url))
+        return made[-1]
+
+    yield make
+    for forward in made:
+        forward.close()

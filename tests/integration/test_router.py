@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import statistics
 import sys
-import threading
 import time
 import uuid
 from contextlib import ExitStack, contextmanager
@@ -415,57 +413,14 @@ def test_access_log_has_one_json_line_per_request(router):
     assert not any("Bearer" in json.dumps(line) or "cgf_" in json.dumps(line) for line in lines)
 
 
-class Forwarder:
-    """A TCP port that forwards to OpenSearch while open: "OpenSearch unreachable" and "back" without
-    stopping the node other tests share."""
-
-    def __init__(self, target_url: str):
-        host, port = target_url.removeprefix("http://").split(":")
-        self.target = (host, int(port))
-        self.port = free_port()
-        self._listener: socket.socket | None = None
-
-    def open(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
-
-    def close(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
-
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for end in (source, sink):
-                try:
-                    end.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-
 def test_readiness_degrades_while_opensearch_or_the_store_is_away_and_recovers(opensearch_url, corpus_index, triton,
-                                                                                release_store, keys, tmp_path):
+                                                                                release_store, keys, tmp_path,
+                                                                                forwarder):
     """While the cache route can still answer, /readyz stays 200 and says what is missing (a load balancer
     must keep this router); with no release and no OpenSearch nothing can answer: 503."""
     store, _ = release_store
-    forwarder = Forwarder(opensearch_url)
-    settings = router_settings(f"http://127.0.0.1:{forwarder.port}", corpus_index, triton, store, keys[0])
+    forward = forwarder(opensearch_url)
+    settings = router_settings(forward.url, corpus_index, triton, store, keys[0])
     config: Config = load_config(environ={**settings, "CAGFLOW__SERVICE__RELEASE_POLL_S": "0",
                                           "CAGFLOW__RETRIEVAL__TIMEOUT_S": "1"})
     app = create_app(config)
@@ -483,7 +438,7 @@ def test_readiness_degrades_while_opensearch_or_the_store_is_away_and_recovers(o
         assert nothing.status_code == 503 and not nothing.get_json()["ready"], nothing.get_json()
         assert nothing.get_json()["store"]["reachable"] is False  # never created by a reader
 
-        forwarder.open()
+        forward.open()
         back = app.test_client().get("/readyz")
         assert back.status_code == 200 and back.get_json()["opensearch"]["reachable"], back.get_json()
         assert not any(reason.startswith("opensearch") for reason in back.get_json()["reasons"]), back.get_json()
@@ -498,7 +453,6 @@ def test_readiness_degrades_while_opensearch_or_the_store_is_away_and_recovers(o
             moved.rename(store.root)
         assert app.test_client().get("/readyz").get_json()["store"]["reachable"] is True
     finally:
-        forwarder.close()
         app.extensions["cagflow_router"].router.close()
         app_without_release.extensions["cagflow_router"].router.close()
 

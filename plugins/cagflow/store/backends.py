@@ -433,7 +433,8 @@ def s3_client(settings: S3Config, access_key_id: str | None = None, secret_acces
     return session.client("s3", endpoint_url=settings.endpoint_url, config=BotoConfig(
         connect_timeout=settings.connect_timeout_s,
         read_timeout=settings.read_timeout_s,
-        retries={"max_attempts": settings.max_attempts, "mode": "standard"},
+        # total_max_attempts counts the first request too; botocore reads "max_attempts" here as retries
+        retries={"total_max_attempts": settings.max_attempts, "mode": "standard"},
         s3={"addressing_style": "path"},
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",

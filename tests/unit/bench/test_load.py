@@ -208,9 +208,7 @@ def test_stop_is_bounded_and_counts_a_request_still_unanswered_as_a_hang(api):
     generator.start()
     while len(api.bodies) < 2:
         time.sleep(0.01)
-    began = time.monotonic()
-    summary = generator.stop(grace_s=0.3)
-    assert time.monotonic() - began < 3
+    summary = generator.stop(grace_s=0.3)  # returns although both requests wait for 30 s: they count as hangs
     assert [(o.kind, o.status, o.code, o.question_id) for o in summary.outcomes] == [("unintended", None, "hang", "q9")] * 2
     api.release.set()  # the abandoned threads now get their replies: they are not counted again
     time.sleep(0.3)
