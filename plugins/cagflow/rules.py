@@ -30,6 +30,9 @@ RULES: dict[str, Rule] = {rule.name: rule for rule in (
     Rule("question_name_absent", "decline", "engine",
          "a Chinese question names a person, place, organisation or work (jieba's tags) that its document and "
          "passages lack: it is about another document"),
+    Rule("question_terms_absent", "decline", "engine",
+         "a Chinese question most of whose words (jieba: nouns, verbs, numbers ...; two characters or more) its "
+         "document and passages lack: it is about another document"),
     Rule("not_in_documents", "decline", "engine",
          "the relevance check: P(yes, the text answers the question) below model.relevance.decline_below_<lang>"),
     Rule("reask_document_alone", "reask", "engine",

@@ -145,12 +145,31 @@ def _chinese_tagger():
     return jieba.posseg.POSTokenizer(jieba.Tokenizer())
 
 
+# jieba's tags of the words that carry what a question is about: nouns and names (n...), verbs (v...),
+# adjectives (a...), numbers (m), times (t), places and directions (s, f), idioms (i, l), abbreviations (j).
+_CONTENT_TAGS = ("n", "v", "a", "m", "t", "s", "f", "i", "l", "j", "eng")
+_ASKING_WORDS = frozenset("多少 多久 多长 多大 多远 多高 如何 为何 何时 何处 何地 是否 怎样 怎么".split())
+
+
+def _chinese_words(question: str) -> list[tuple[str, str]]:
+    """(word, tag) of a Chinese question's words of two characters or more; none for an English question."""
+    if not HAN.search(question) or len(HAN.findall(question)) < len(_LATIN_WORD.findall(question)):
+        return []
+    return [(word, tag) for word, tag in _chinese_tagger().cut(question) if len(word) >= 2]
+
+
 def question_names(question: str) -> list[str]:
     """The proper names a Chinese question asks about (people, places, organisations, works: two characters
     or more, as jieba's segmenter tags them); none for an English question, where capitalisation is no
     reliable sign of a name ("Who did Emma Marry?"). A question naming someone its text never mentions is
     about another document (``answering.grounding``, rule ``question_name_absent``)."""
-    if not HAN.search(question) or len(HAN.findall(question)) < len(_LATIN_WORD.findall(question)):
-        return []
-    return list(dict.fromkeys(word for word, tag in _chinese_tagger().cut(question)
-                              if tag in _NAME_TAGS and len(word) >= 2))
+    return list(dict.fromkeys(word for word, tag in _chinese_words(question) if tag in _NAME_TAGS))
+
+
+def question_words(question: str) -> list[str]:
+    """The words a Chinese question is about (jieba's nouns, names, verbs, adjectives, numbers ..., two
+    characters or more, none that only asks: "什么", "哪一年"); none for an English question. A text holding
+    fewer than half of them is about something else (rule ``question_terms_absent``)."""
+    return list(dict.fromkeys(word for word, tag in _chinese_words(question)
+                              if tag.startswith(_CONTENT_TAGS) and word not in _ASKING_WORDS
+                              and not _ASKING_HAN.intersection(word)))

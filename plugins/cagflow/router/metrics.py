@@ -36,7 +36,7 @@ ANSWER_SOURCES = Counter("cagflow_router_answer_source_total", "Triton's ANSWER_
                          ["source"])
 DECLINED = Counter("cagflow_router_declined_total", "answers declined: no_relevant_passage (below "
                    "service.answerable_threshold), model_declined, unsupported_figures, off_topic_figures, "
-                   "question_name_absent, not_in_documents", ["reason"])
+                   "question_name_absent, question_terms_absent, not_in_documents", ["reason"])
 RULES_FIRED = Counter("cagflow_router_rules_fired_total", "answer rules (cagflow.rules) that held for an answer, "
                       "whether they decided it or are switched off (rules.disabled)", ["rule"])
 ERRORS = Counter("cagflow_router_errors_total", "error responses by error code", ["code"])

@@ -247,8 +247,27 @@ def test_a_chinese_question_naming_someone_its_source_never_mentions_is_declined
     assert not verdict.answered and verdict.reason == "question_name_absent"
     assert "question_name_absent" in verdict.fired
     assert check("1981年。", source, "黄华麒是何时加入丽的电视的？").answered
-    switched_off = check("杨丽音1981年毕业。", source, "杨丽音是何时毕业于国光艺校戏剧科的？",
-                                   frozenset({"question_name_absent"}))
-    assert switched_off.answered and switched_off.fired == ("question_name_absent",)
+    both = frozenset({"question_name_absent", "question_terms_absent"})  # its other words are absent too
+    switched_off = check("杨丽音1981年毕业。", source, "杨丽音是何时毕业于国光艺校戏剧科的？", both)
+    assert switched_off.answered and switched_off.fired == ("question_name_absent", "question_terms_absent")
     # English questions are not read for names: capitals are no reliable sign of one ("Who did Emma Marry?")
     assert check("Ethelred.", "Emma married King Ethelred.", "Who did Emma Marry?").answered
+
+
+def test_a_chinese_question_whose_words_its_source_mostly_lacks_is_declined():
+    """CMRC 2018 unrelated questions, answered over the article the router found closest: the names of fish
+    are no proper names for jieba, but the words are not there."""
+    yarrow = "蓍（学名：Achillea millefolium），又名西洋蓍草、锯草，是菊科蓍属的植物。叶片像蕨类，花白色。"
+    verdict = check("蓝线裸顶鲷的俗名是西洋锯草。", yarrow, "蓝线裸顶鲷的俗名是什么？")
+    assert not verdict.answered and verdict.reason == "question_terms_absent"
+    assert check("像蕨类。", yarrow, "蓍的叶片像什么？").answered  # its word is there ("蓍" alone is one character)
+    assert check("西洋蓍草、锯草。", yarrow, "蓍又名什么？").answered  # no word of two characters to miss
+    assert check("It grows in Europe.", yarrow, "Where does yarrow grow?").answered  # English is not read here
+
+
+def test_a_question_s_words_are_its_content_words_not_its_asking_words():
+    from cagflow.documents.text import question_words
+
+    assert question_words("古监狱保存了几座中世纪的塔楼？") == ["监狱", "保存", "中世纪", "塔楼"]
+    assert question_words("《千年女王》漫画是谁创作的？") == ["千年", "女王", "漫画", "创作"]
+    assert question_words("How many towers did the old prison keep?") == []
