@@ -17,7 +17,7 @@ COMMANDS = (snapshots.add_precompute, ask.add_ask, ask.add_serve, keys.add_keys,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = StrictParser(prog="cagflow", description=__doc__)
+    parser = StrictParser(prog="cagflow", description=__doc__.replace("``", ""))
     parser.add_argument("--config", help="YAML config file (default: $CAGFLOW_CONFIG, then built-in defaults)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
