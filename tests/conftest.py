@@ -156,7 +156,7 @@ def publish_first_parts(tiny_model, corpus):
     with the tiny model and published as the active release; returns ``(engine, release)``."""
     from cagflow.documents.parsing import parse_file
     from cagflow.engine.engine import Engine
-    from cagflow.answering.prompt import language
+    from cagflow.documents.text import language
     from cagflow.offline.precompute import precompute_part
     from cagflow.store.manifests import Release, publish_release
 

@@ -219,10 +219,9 @@ def _in_source(figure: str, text: str) -> bool:
     return bool(re.search(rf"\b{word}\b", text))
 
 
-def _mostly_absent(words: list[str], source: str) -> bool:
-    """Whether ``source`` holds fewer than half of ``words`` (False when there are none)."""
-    text = source.lower()
-    return 2 * sum(word.lower() in text for word in words) < len(words)
+def _mostly_absent(words: list[str], lowered_source: str) -> bool:
+    """Whether the (lower-cased) source holds fewer than half of ``words`` (False when there are none)."""
+    return 2 * sum(word.lower() in lowered_source for word in words) < len(words)
 
 
 def check(answer: str, source: str | None, question: str = "", disabled: frozenset[str] = frozenset()) -> Grounding:
@@ -242,10 +241,11 @@ def check(answer: str, source: str | None, question: str = "", disabled: frozens
     stated = [*named, *(figure for figure in figures(answer) if figure not in given)]
     missing = tuple(dict.fromkeys([*(figure for figure in stated if not _in_source(figure, text)),
                                    *_wrong_units(_normalise(answer), text, _normalise(question))]))
+    lowered = source.lower()
     verdicts = {"unsupported_figures": bool(missing),
                 "off_topic_figures": figures_off_topic(answer, source, question),
-                "question_name_absent": any(name.lower() not in source.lower() for name in question_names(question)),
-                "question_terms_absent": _mostly_absent(question_words(question), source)}
+                "question_name_absent": any(name.lower() not in lowered for name in question_names(question)),
+                "question_terms_absent": _mostly_absent(question_words(question), lowered)}
     fired = tuple(name for name in DECLINE_ORDER if verdicts.get(name))
     deciding = [name for name in fired if name not in disabled]
     if not deciding:

@@ -11,27 +11,16 @@ the boundary.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..documents.text import HAN
+from ..documents.text import language
 from ..errors import CagflowError
 
 TEMPLATE_VERSION = "cagflow-prompt-v3"
 # Options every chat template is rendered with; a template that does not read one ignores it. Thinking is off:
 # an answer is a few sentences from the given text, and the relevance check reads the first token as yes or no.
 CHAT_TEMPLATE_OPTIONS = {"enable_thinking": False}
-
-_LATIN_WORD = re.compile(r"[A-Za-z]+")
-
-
-def language(text: str) -> str:
-    """``"zh"`` when Han characters outnumber Latin words (a Chinese sentence naming "YF-G300" or "TLS" is
-    still Chinese), else ``"en"``. It picks the wording of the instructions, the reminder and the decline."""
-    han = len(HAN.findall(text))
-    return "zh" if han >= 2 and han >= len(_LATIN_WORD.findall(text)) else "en"
-
 
 @dataclass(frozen=True)
 class Wording:

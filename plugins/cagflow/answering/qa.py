@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from ..documents.text import language
 from .grounding import is_declined
-from .prompt import language
 
 
 @dataclass(frozen=True)

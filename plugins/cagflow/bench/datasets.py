@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from ..answering.prompt import language as language_of
+from ..documents.text import language as language_of
 from ..errors import CagflowError
 from ..store.manifests import CorpusManifest
 

@@ -21,6 +21,17 @@ HAN_RUN = re.compile(f"[{HAN_RANGES}]+")
 _LATIN_WORD = re.compile(f"[^\\s\u3000-\u303f{HAN_RANGES}\uff00-\uffef]+")  # not Han, not CJK punctuation
 
 
+_LATIN_LETTERS = re.compile(r"[A-Za-z]+")
+
+
+def language(text: str) -> str:
+    """``"zh"`` when Han characters outnumber Latin words (a Chinese sentence naming "YF-G300" or "TLS" is
+    still Chinese), else ``"en"``. It picks the prompt's wording and which questions are read for Chinese
+    words."""
+    han = len(HAN.findall(text))
+    return "zh" if han >= 2 and han >= len(_LATIN_LETTERS.findall(text)) else "en"
+
+
 def word_count(text: str) -> int:
     """Words in ``text``: Latin words, and for Chinese (written without spaces) one per two Han characters,
     the length of a typical Chinese word."""
@@ -151,11 +162,13 @@ _CONTENT_TAGS = ("n", "v", "a", "m", "t", "s", "f", "i", "l", "j", "eng")
 _ASKING_WORDS = frozenset("多少 多久 多长 多大 多远 多高 如何 为何 何时 何处 何地 是否 怎样 怎么".split())
 
 
-def _chinese_words(question: str) -> list[tuple[str, str]]:
-    """(word, tag) of a Chinese question's words of two characters or more; none for an English question."""
-    if not HAN.search(question) or len(HAN.findall(question)) < len(_LATIN_WORD.findall(question)):
-        return []
-    return [(word, tag) for word, tag in _chinese_tagger().cut(question) if len(word) >= 2]
+@functools.lru_cache(maxsize=256)
+def _chinese_words(question: str) -> tuple[tuple[str, str], ...]:
+    """(word, tag) of a Chinese question's words of two characters or more; none for an English question.
+    Cached: the grounding check reads one question for names and for words."""
+    if language(question) != "zh":
+        return ()
+    return tuple((word, tag) for word, tag in _chinese_tagger().cut(question) if len(word) >= 2)
 
 
 def question_names(question: str) -> list[str]:

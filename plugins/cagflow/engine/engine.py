@@ -21,11 +21,11 @@ import torch
 from transformers import DynamicCache
 
 from .. import rules
-from ..answering.prompt import Passage, PromptBuilder, PromptError, language, passages_system, wording
+from ..answering.prompt import Passage, PromptBuilder, PromptError, passages_system, wording
 from ..config import ModelConfig, RelevanceConfig
 from ..documents.parsing import ParsedDocument
 from ..documents.snapshot import Snapshot
-from ..documents.text import focus
+from ..documents.text import focus, language
 from ..errors import CagflowError
 from .answers import Answer, Decoded, closest_part, document_body, grounded_answer
 from .model import LoadedModel, load_model
