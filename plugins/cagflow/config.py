@@ -301,6 +301,11 @@ class ModelConfig(_Section):
     precision: Literal["int8", "fp32"] = "int8"
     threads: int = Field(1, ge=0)  # torch threads per process; 0 = torch default. See README "Thread policy"
     relevance: RelevanceConfig = RelevanceConfig()
+    # The retrieval route's passages: "reuse" places each passage's K/V, computed once (by the ingest DAG or on
+    # first use) and re-rotated to its position, so only the question is prefilled; "prefill" computes them
+    # per request. int8 engine only. Measured in bench/README "Reused passage states".
+    passage_kv: Literal["reuse", "prefill"] = "reuse"
+    passage_kv_memory_mb: int = Field(512, ge=0)  # passage states kept in memory per serving process
 
     @field_validator("max_new_tokens")
     @classmethod

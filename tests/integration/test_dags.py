@@ -31,9 +31,9 @@ DAGS = REPO / "dags"
 SAMPLE = REPO / "corpus"
 integration = pytest.mark.integration
 
-FIXED_TASKS = {"load_manifest", "parse", "chunk", "validate_chunks", "embed", "index", "plan_parts", "precompute",
-               "validate_snapshots", "publish_release", "request_serving_reload"}
-INGEST_TASKS = {"load_manifest", "parse", "chunk", "validate_chunks", "embed", "index"}
+INGEST_TASKS = {"load_manifest", "parse", "chunk", "validate_chunks", "embed", "index", "precompute_passage_states"}
+FIXED_TASKS = INGEST_TASKS | {"plan_parts", "precompute", "validate_snapshots", "publish_release",
+                              "request_serving_reload"}
 MAINTENANCE_TASKS = {"verify_active_release", "collect_garbage"}
 
 
@@ -140,6 +140,7 @@ def test_dags_import_with_expected_tasks_dependencies_and_schedules(airflow_env)
     assert {"precompute", "validate_snapshots"} <= fixed.get_task("publish_release").upstream_task_ids
     assert [o.name for o in fixed.get_task("publish_release").outlets] == ["cagflow_fixed_release"]
     assert "embed" in ingest.get_task("validate_chunks").downstream_task_ids
+    assert "precompute_passage_states" in ingest.get_task("index").downstream_task_ids
     assert "collect_garbage" in maintenance.get_task("verify_active_release").downstream_task_ids
     assert (fixed.schedule, ingest.schedule, maintenance.schedule) == ("0 2 * * *", "@hourly", "@weekly")
     assert all(d.max_active_runs == 1 and not d.catchup for d in (fixed, ingest, maintenance))
@@ -198,6 +199,9 @@ def test_precompute_publishes_verified_snapshots_and_searchable_chunks(sample_ru
 
     indexed = returned(run, "index")
     assert indexed["tier_total"] == indexed["upserted"] == len(returned(run, "chunk"))
+    passages = returned(run, "precompute_passage_states")
+    assert passages["computed"] + passages["unaligned"] == indexed["upserted"] and passages["computed"] > 0
+    assert len(list(store.list("passages/"))) >= passages["computed"]
     hits = index.search("Which port do I open in my browser to reach the Skerry web console?", tier="fixed")
     assert hits[0].doc_id == "skerry-admin-manual" and "8443" in " ".join(hit.text for hit in hits)
 

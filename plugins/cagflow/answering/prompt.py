@@ -134,11 +134,14 @@ def passages_system(passages: Sequence[Passage], question: str = "") -> str:
     answered 11 of 20 release-note questions this way against 7 with numbered, dated labels: it found the
     version in a heading ("Skerry 5.1.1 Release Notes") and no longer gave a label's date for the date a
     passage mentions."""
-    blocks = []
-    for passage in passages:
-        label = " — ".join(part for part in (passage.title, passage.section) if part)
-        blocks.append(f"## {label}\n{passage.text}" if label else passage.text)
-    return f"{wording(question).passages_instruction}\n\n" + "\n\n".join(blocks)
+    return wording(question).passages_instruction + "".join(passage_piece(passage) for passage in passages)
+
+
+def passage_piece(passage: Passage) -> str:
+    """One passage as it follows the instruction (or the passage before it) in the retrieval route's system
+    turn; the unit whose keys and values are computed once and reused (``engine.passage_kv``)."""
+    label = " — ".join(part for part in (passage.title, passage.section) if part)
+    return f"\n\n## {label}\n{passage.text}" if label else f"\n\n{passage.text}"
 
 
 def updates_text(passages: Sequence[Passage], question: str = "") -> str:
@@ -168,6 +171,18 @@ class TokenizedPrompt:
     @property
     def suffix(self) -> list[int]:
         return self.ids[self.prefix_len:]
+
+
+@dataclass(frozen=True)
+class PassageLayout:
+    """The leading ids of a retrieval prompt: the instruction's, then each passage's (``passage_piece``)."""
+
+    header: list[int]
+    pieces: list[list[int]]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.header) + sum(map(len, self.pieces))
 
 
 class PromptBuilder:
@@ -218,6 +233,24 @@ class PromptBuilder:
 
     def prefix_ids(self, system: str) -> list[int]:
         return self.encode(self.prefix_text(system))
+
+    def passage_layout(self, passages: Sequence[Passage], question: str) -> "PassageLayout | None":
+        """The retrieval route's system turn in tokens, as the instruction's (``header``) then each passage's
+        on its own (``pieces``); None where tokenizing the turn whole does not give the same ids (a token
+        across a boundary), since reused passage keys must stand for exactly the prompt's tokens."""
+        system = passages_system(passages, question)
+        rendered = self.prefix_text(system)
+        header_end = rendered.find(system)
+        if header_end < 0:
+            return None
+        header_end += len(wording(question).passages_instruction)
+        header = self.encode(rendered[:header_end])
+        pieces = [self.encode(passage_piece(passage)) for passage in passages]
+        expected = self.encode(rendered)
+        joined = header + [token for piece in pieces for token in piece]
+        if expected[:len(joined)] != joined:
+            return None
+        return PassageLayout(header, pieces)
 
     def tokenize(self, system: str, question: str, prefix_ids: Sequence[int] | None = None,
                  updates: Sequence[Passage] = (), may_decline: bool = True, excerpt: str = "") -> TokenizedPrompt:

@@ -119,3 +119,29 @@ class Snapshot:
         if any(k.shape[-2] != len(prefix) for k in keys) or str(snapshot.dtype).removeprefix("torch.") != metadata["dtype"]:
             raise SnapshotFormatError("snapshot tensors disagree with the header (token count or dtype)")
         return snapshot
+
+
+def passage_state_bytes(keys: list[torch.Tensor], values: list[torch.Tensor], model_fingerprint: str,
+                        content_key: str) -> bytes:
+    """One retrieved passage's K/V (``engine.passage_kv``) in the snapshot's tensor layout; the header names
+    the model and the content address it was computed for."""
+    tensors = {f"{kind}.{layer}": t.contiguous() for layer, pair in enumerate(zip(keys, values))
+               for kind, t in zip("kv", pair)}
+    metadata = {"format": "cagflow-kv", "format_version": FORMAT_VERSION, "kind": "passage",
+                "model_fingerprint": model_fingerprint, "content_key": content_key, "n_layers": str(len(keys))}
+    return st_save(tensors, metadata=metadata)
+
+
+def passage_state_from_bytes(data: bytes | bytearray | memoryview, model_fingerprint: str,
+                             content_key: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The K/V of ``passage_state_bytes``; refused unless it was computed by this model for this content."""
+    metadata = read_metadata(data)
+    if metadata.get("kind") != "passage" or metadata.get("model_fingerprint") != model_fingerprint \
+            or metadata.get("content_key") != content_key:
+        raise SnapshotFormatError(f"passage state {content_key[:16]} is not this model's state for that content")
+    tensors = _tensor_views(data)
+    try:
+        layers = int(metadata["n_layers"])
+        return [tensors[f"k.{i}"] for i in range(layers)], [tensors[f"v.{i}"] for i in range(layers)]
+    except (KeyError, ValueError) as exc:
+        raise SnapshotFormatError(f"passage state header incomplete or malformed: {exc}") from None

@@ -28,8 +28,10 @@ from ..documents.snapshot import Snapshot
 from ..documents.text import focus, language
 from ..errors import CagflowError
 from .answers import Answer, Decoded, closest_part, document_body, grounded_answer
+from .fastlm import PrefixKV
 from .model import LoadedModel, load_model
 from .parts import DocumentPart, split_document
+from .passage_kv import PassageStates
 from .shared_prefix import SharedPrefixDecoder
 from .shared_prefix import supports as supports_shared_prefix
 
@@ -47,7 +49,8 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, max_context_tokens: int = 8192, max_new_tokens: int = 128,
                  question_budget_tokens: int = 256, relevance: RelevanceConfig | None = None,
-                 disabled_rules: Iterable[str] = (), focus_tokens: int = 0):
+                 disabled_rules: Iterable[str] = (), focus_tokens: int = 0,
+                 passage_states: PassageStates | None = None):
         self.loaded = loaded
         self.model = loaded.model
         self.fast = loaded.fast
@@ -64,13 +67,21 @@ class Engine:
         self.eos_ids = loaded.eos_token_ids
         self.prefix_decoder = (SharedPrefixDecoder(self.model)
                                if self.fast is None and supports_shared_prefix(self.model) else None)
+        self.passage_states = passage_states  # the retrieval route's reused passage K/V (int8 engine); None: prefill
 
     @classmethod
-    def from_config(cls, model: ModelConfig, disabled_rules: Iterable[str] = ()) -> "Engine":
-        """The engine of ``model``; ``disabled_rules``: the config's ``rules.disabled``."""
-        return cls(load_model(model.path, model.threads, model.precision), model.max_context_tokens,
-                   model.max_new_tokens, model.question_budget_tokens, model.relevance, disabled_rules,
-                   model.focus_tokens)
+    def from_config(cls, model: ModelConfig, disabled_rules: Iterable[str] = (),
+                    stored_passage: Callable[[str, str], PrefixKV | None] | None = None) -> "Engine":
+        """The engine of ``model``; ``disabled_rules``: the config's ``rules.disabled``; ``stored_passage(
+        fingerprint, content_key)``: a passage's stored K/V or None (``model.passage_kv: reuse``)."""
+        engine = cls(load_model(model.path, model.threads, model.precision), model.max_context_tokens,
+                     model.max_new_tokens, model.question_budget_tokens, model.relevance, disabled_rules,
+                     model.focus_tokens)
+        if model.passage_kv == "reuse" and engine.fast is not None:
+            load = (lambda key: stored_passage(engine.fingerprint, key)) if stored_passage is not None else None
+            engine.passage_states = PassageStates(engine.fast, engine.fingerprint,
+                                                  model.passage_kv_memory_mb * 2**20, load)
+        return engine
 
     @property
     def fingerprint(self) -> str:
@@ -180,7 +191,7 @@ class Engine:
         snapshot: the exactness check."""
         _, ids, reused, prefix_len = self._plan(question, snapshot, updates, reuse_cache)
         if self.fast is not None:
-            return self.fast.logits(self._fast_prefix(ids, reused, prefix_len, snapshot), ids[prefix_len:])
+            return self.fast.logits(self._fast_prefix(ids, reused, prefix_len, snapshot)[0], ids[prefix_len:])
         if reused and self.prefix_decoder is not None:
             suffix = ids[reused:]
             cache = self.prefix_decoder.start(snapshot.keys, snapshot.values, 1, len(suffix))
@@ -189,13 +200,20 @@ class Engine:
         logits = self.model(input_ids=torch.tensor([ids[reused:]]), cache=cache, use_cache=True).logits[0]
         return logits[prefix_len - reused:]
 
-    def _fast_prefix(self, ids: list[int], reused: int, prefix_len: int, snapshot: Snapshot | None):
-        """The int8 engine's prefix for a prompt: the snapshot's tensors (cache route), or the system turn
-        computed now in the same blocks (full route: hence bitwise the cache route's numbers; retrieval: kept,
-        so the relevance check after the answer prefills only its own question)."""
+    def _fast_prefix(self, ids: list[int], reused: int, prefix_len: int, snapshot: Snapshot | None,
+                     passages: Sequence[Passage] | None = None, question: str = "") -> tuple[object, int]:
+        """The int8 engine's prefix for a prompt and how many of its tokens were reused: the snapshot's
+        tensors (cache route); on the retrieval route the passages' reused states where ``passage_states``
+        is on and the prompt starts with their ids; else the system turn computed now in the same blocks (full
+        route: hence bitwise the cache route's numbers). Kept, so the relevance check after the answer
+        prefills only its own question."""
         if reused:
-            return snapshot.keys, snapshot.values
-        return self.fast.prefill_prefix(ids[:prefix_len])
+            return (snapshot.keys, snapshot.values), reused
+        if passages and snapshot is None and self.passage_states is not None:
+            layout = self.prompts.passage_layout(passages, question)
+            if layout is not None and layout.n_tokens <= prefix_len:
+                return self.passage_states.compose(layout)
+        return self.fast.prefill_prefix(ids[:prefix_len]), 0
 
     @torch.inference_mode()
     def _greedy_rows(self, suffixes: Sequence[list[int]], snapshot: Snapshot, budget: int,
@@ -257,7 +275,9 @@ class Engine:
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         route, ids, reused, prefix_len = self._plan(question, snapshot, context, reuse_cache)
         self._check_room(route, ids, reused, budget)
-        prefix = self._fast_prefix(ids, reused, prefix_len, snapshot) if self.fast is not None else None
+        prefix = None
+        if self.fast is not None:
+            prefix, reused = self._fast_prefix(ids, reused, prefix_len, snapshot, context, question)
         decoded = Decoded(started)
         yield from self._decode(decoded, ids, reused, snapshot, budget, prefix, hold=wording(question).declined)
         answer = decoded.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused,
@@ -375,7 +395,7 @@ class Engine:
         started = time.perf_counter()
         route, ids, reused, prefix_len = self._plan(question, snapshot, None, reuse_cache)
         self._check_room(route, ids, reused, tokens)
-        prefix = self._fast_prefix(ids, reused, prefix_len, snapshot) if self.fast is not None else None
+        prefix = self._fast_prefix(ids, reused, prefix_len, snapshot)[0] if self.fast is not None else None
         generated: list[int] = []
         ttft = 0.0
         for token in self._greedy(ids, reused, snapshot, tokens, eos=frozenset(), prefix=prefix):
@@ -437,7 +457,7 @@ class Engine:
         if self.fast is not None:
             if prefix is None:
                 prefix = self.fast.prefill_prefix(ids[:prompt.prefix_len])
-            logits = self.fast.logits(prefix, ids[prompt.prefix_len:], last_only=True)[-1]
+            logits = self.fast.logits(prefix, ids[prefix[0][0].shape[1]:], last_only=True)[-1]
         elif reused and self.prefix_decoder is not None:
             cache = self.prefix_decoder.start(snapshot.keys, snapshot.values, 1, len(ids) - reused)
             logits = self.prefix_decoder.step(cache, [ids[reused:]])[0]

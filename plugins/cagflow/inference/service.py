@@ -22,12 +22,14 @@ import torch
 from ..config import Config, load_config
 from ..engine.answers import Answer
 from ..engine.engine import Engine
+from ..documents.keys import SnapshotFormatError
+from ..documents.snapshot import passage_state_from_bytes
 from ..documents.text import best_part
 from ..answering.prompt import Passage, clean_question
 from ..errors import CagflowError
 from ..store.backends import NotFound, SnapshotStore, StoreError, StoreRole, open_store
 from ..store.heat import HeatLog
-from ..store.layout import CURRENT_POINTER
+from ..store.layout import CURRENT_POINTER, passage_object
 from ..store.manifests import load_release
 from .answer_cache import ANSWER_CACHE, COMPUTED, AnswerCache, AnswerCacheListener, AnswerKey, Claim, context_digest
 from .resident import Acquired, ResidentListener, ResidentSet, UnknownSnapshot
@@ -74,9 +76,26 @@ class Runtime:
     def load(cls, settings: ServingSettings, role: StoreRole = "reader") -> "Runtime":
         """``role``: answering only reads the store; ``cag_precompute`` writes snapshots and asks for ``writer``."""
         config = load_config(settings.config_file)
-        engine = Engine.from_config(config.model, config.rules.disabled)
         store = open_store(config.cache.state_store, config.cache.s3, role=role)
+        engine = Engine.from_config(config.model, config.rules.disabled, stored_passage=_passage_reader(store))
         return cls(config, engine, store)
+
+
+def _passage_reader(store: SnapshotStore):
+    """A passage's K/V from the store (written by the ingest DAG), or None: missing, unreadable or not this
+    model's, it is computed on first use instead."""
+
+    def read(model_fingerprint: str, content_key: str):
+        name = passage_object(model_fingerprint, content_key)
+        try:
+            return passage_state_from_bytes(store.get(name), model_fingerprint, content_key)
+        except NotFound:
+            return None
+        except (StoreError, SnapshotFormatError) as exc:
+            log.warning("passage state %s unusable, computing it: %s", name, exc)
+            return None
+
+    return read
 
 
 # ---- requests and answers ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from . import pipeline
 
 def ingest_documents(tier: str):
     """Add the ingest tasks for the manifest's ``tier`` documents to the DAG being defined: load manifest →
-    parse → chunk → validate chunks → embed → index. A non-empty ``doc_ids`` param limits them to those
+    parse → chunk → validate chunks → embed → index → passage states. A non-empty ``doc_ids`` param limits them to those
     documents and keeps the other documents' chunks; otherwise documents gone from the manifest lose theirs.
     Documents whose indexed chunks were made from the same source are skipped (``force`` ingests them
     again). Returns the index task's output, for what must wait on the index."""
@@ -39,8 +39,14 @@ def ingest_documents(tier: str):
     def index(embedded, parsed, params=None):
         return pipeline.index_chunks(embedded, tier, remove_unlisted=not params.get("doc_ids"), documents=parsed)
 
+    @task
+    def precompute_passage_states(chunks):
+        return pipeline.precompute_passages(chunks)
+
     parsed = parse(load_manifest())
     chunks = chunk(parsed)
     embedded = embed(chunks)
     validate_chunks(parsed, chunks) >> embedded
-    return index(embedded, parsed)
+    indexed = index(embedded, parsed)
+    indexed >> precompute_passage_states(chunks)
+    return indexed

@@ -1,6 +1,6 @@
 """The steps of ``cag_snapshot_maintenance``: verify the active release's snapshots, then delete the
 snapshot versions no kept release references and nobody could have read for a while, with the releases
-that would need them."""
+that would need them; and the passage states no indexed chunk has any more."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 from ..config import Config, ConfigError
 from .connections import resolve_config, snapshot_store
+from .passage_steps import SECONDS_PER_DAY, passage_garbage
 
 if TYPE_CHECKING:
     from ..store.backends import SnapshotStore
 
 log = logging.getLogger(__name__)
 
-SECONDS_PER_DAY = 86400
 
 
 def _active_release(store: SnapshotStore):
@@ -103,8 +103,9 @@ def collect_garbage(keep_releases: int | None = None, unused_days: float | None 
         raise ConfigError(f"keep_releases must be >= 1 and unused_days >= 0 (got {keep_releases}, {unused_days})")
     store = snapshot_store(config)
     plan = plan_garbage(store, keep_releases, unused_days, now)
+    passages = passage_garbage(store, unused_days, config, now)
     verb = "would delete" if dry_run else "deleted"
-    for name, size in [*plan.snapshots.items(), *plan.releases.items()]:
+    for name, size in [*plan.snapshots.items(), *plan.releases.items(), *passages.items()]:
         if not dry_run:
             store.delete(name)
         log.info("%s %s (%d bytes)", verb, name, size)
@@ -117,4 +118,5 @@ def collect_garbage(keep_releases: int | None = None, unused_days: float | None 
              unused_days)
     return {"dry_run": dry_run, "store": store.url, "kept_releases": plan.kept_releases,
             "snapshots": sorted(plan.snapshots), "releases": sorted(plan.releases), "bytes_freed": plan.bytes,
-            "heat_objects": heat_objects}
+            "heat_objects": heat_objects, "passage_states": len(passages),
+            "passage_bytes_freed": sum(passages.values())}

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..config import Config
 from .connections import chunk_index, resolve_config
+from .passage_steps import precompute_passages
 from .release_steps import publish_fixed_release, request_serving_reload
 from .snapshot_steps import check_snapshots, plan_snapshot_parts, precompute_snapshot
 
@@ -210,14 +211,15 @@ def index_chunks(embedded: Sequence[dict], tier: str, remove_unlisted: bool, con
 
 def run_fixed_pipeline(config: Config) -> dict:
     """What ``cag_fixed_precompute`` runs, task after task in this process, over ``config.corpus.manifest``:
-    ingest the changed fixed documents, precompute what the active release lacks, publish, ask serving to
-    reload. For one-off loads outside Airflow (`cagflow bench answers --dataset`); documents of the index
-    that the manifest does not list are kept."""
+    ingest the changed fixed documents (their passage states too), precompute what the active release lacks,
+    publish, ask serving to reload. For one-off loads outside Airflow (`cagflow bench answers --dataset`);
+    documents of the index that the manifest does not list are kept."""
     documents = load_documents("fixed", config=config, incremental=True)
     parsed = parse_documents(documents)
     chunks = chunk_documents(parsed, config)
     check_chunks(parsed, chunks, config)
     index_chunks(embed_chunks(chunks), "fixed", remove_unlisted=False, config=config, documents=parsed)
+    precompute_passages(chunks, config)
     parts = plan_snapshot_parts(config=config)
     results = [precompute_snapshot(part, config=config) for part in parts]
     if parts:

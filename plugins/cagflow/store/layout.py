@@ -5,6 +5,7 @@ snapshots/{doc_id}/{doc_version}/{fingerprint16}[.part{n}].safetensors   immutab
 releases/{release_id}.json                                               immutable release manifests
 releases/current.json                                                    the active release (the only overwritten object)
 heat/{replica_id}.json                                                   access counts, one object per serving replica
+passages/{fingerprint16}/{content_key}.safetensors                       retrieved passages' K/V, content-addressed
 ```
 """
 
@@ -16,6 +17,7 @@ SNAPSHOTS_PREFIX = "snapshots/"
 RELEASES_PREFIX = "releases/"
 CURRENT_POINTER = f"{RELEASES_PREFIX}current.json"
 HEAT_PREFIX = "heat/"
+PASSAGES_PREFIX = "passages/"
 _RELEASE_SUFFIX = ".json"
 
 
@@ -40,3 +42,8 @@ def release_id_of(object_name: str) -> str | None:
 
 def heat_object(replica_id: str) -> str:
     return f"{HEAT_PREFIX}{replica_id}.json"
+
+
+def passage_object(model_fingerprint: str, content_key: str) -> str:
+    """Where one passage's K/V lives (``engine.passage_kv``): content-addressed, per model."""
+    return f"{PASSAGES_PREFIX}{model_fingerprint[:16]}/{content_key}.safetensors"
