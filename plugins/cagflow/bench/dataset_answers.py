@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..config import CACHE_HOME, Config
+from ..client.demo import format_breakdown, stage_breakdown
 from . import scoring
 from ..rules import RULES
 from .datasets import SPLITS, Dataset, DatasetError, DatasetQuestion, load_dataset, merged_manifest
@@ -41,6 +42,7 @@ def _reply_fields(reply: dict, seconds: float) -> dict:
             "sources": sorted(cited | ({snapshot["doc_id"]} if snapshot.get("doc_id") else set())),
             "decline_reason": reply.get("decline_reason"), "rules_fired": reply.get("rules_fired", []),
             "seconds": seconds, "ttft_s": (reply.get("timings_ms") or {}).get("ttft", 0.0) / 1000,
+            "timings_ms": reply.get("timings_ms") or {}, "tokens": reply.get("tokens") or {},
             "computed": reply.get("answer_source") in (None, "computed")}
 
 
@@ -108,6 +110,7 @@ def _cell(answers: list[dict]) -> dict | None:
             "unsupported": sum(bool(answer["unsupported"]) for answer in answered),
             "p50_ttft_s": _median([answer["ttft_s"] for answer in computed if answer.get("ttft_s")]),
             "p50_s": _median([answer["seconds"] for answer in computed]),
+            "p50_stages_ms": stage_breakdown([answer.get("timings_ms") or {} for answer in computed]),
             "routes": dict(Counter(answer.get("route") or "error" for answer in answers)),
             "decline_reasons": dict(Counter(answer.get("decline_reason") or "model" for answer in answers
                                             if not answer.get("answered") and "error" not in answer))}
@@ -198,6 +201,9 @@ def print_summary(title: str, summary: dict) -> None:
         taken = ", ".join(f"{route} {cell['right']}/{cell['asked']}"
                           for route, cell in sorted(cells["auto by route taken"].items()))
         print(f"{'':<22}auto by route taken: {taken}")
+        for route in ROUTES:
+            if cells[route] is not None and cells[route]["p50_stages_ms"]:
+                print(f"{'':<22}{route} p50 ms by stage: {format_breakdown(cells[route]['p50_stages_ms'])}")
     print(f"wrong-document cache routes: {len(summary['wrong_document_cache_routes'])} "
           f"{summary['wrong_document_cache_routes']}")
 

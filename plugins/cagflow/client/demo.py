@@ -92,6 +92,24 @@ def _print_answer(number: int, total: int, item: QAItem, reply: dict) -> None:
     print(f"  timings  : {stages} · request {reply.get('request_id', '-')}")
 
 
+STAGES = ("triton_wait", "model_prefix", "model_answer", "model_relevance", "model_reask")
+
+
+def stage_breakdown(timings: list[dict]) -> dict[str, float]:
+    """Median milliseconds per stage of answers computed for their request (``timings_ms`` records), and of the
+    time outside Triton: where a route's time goes."""
+    computed = [t for t in timings if "model_answer" in t]
+    if not computed:
+        return {}
+    medians = {stage: statistics.median(t.get(stage, 0.0) for t in computed) for stage in STAGES}
+    medians["outside_triton"] = statistics.median(t["total"] - t["triton"] for t in computed)
+    return {stage: round(ms, 1) for stage, ms in medians.items()}
+
+
+def format_breakdown(breakdown: dict[str, float]) -> str:
+    return " · ".join(f"{stage.removeprefix('model_')} {ms:.0f}" for stage, ms in breakdown.items())
+
+
 def _print_summary(items: list[QAItem], replies: list[dict], errors: int) -> None:
     """``items`` are the questions that got a reply, in the order of ``replies``."""
     print(f"\n{len(replies)} of {len(replies) + errors} questions answered" + (f", {errors} failed" if errors else ""))
@@ -107,6 +125,9 @@ def _print_summary(items: list[QAItem], replies: list[dict], errors: int) -> Non
                     if outside else "")
         print(f"  {route:<9} {len(totals):2d} answers: total p50 {percentile(totals, 0.5):.0f} ms "
               f"p95 {percentile(totals, 0.95):.0f} ms{ttft}{overhead}")
+        breakdown = stage_breakdown([r["timings_ms"] for r in replies if r.get("route") == route])
+        if breakdown:
+            print(f"  {'':<9} p50 ms by stage: {format_breakdown(breakdown)}")
     hits = sum(bool(reply.get("cache_hit")) for reply in replies)
     in_scope = [reply for item, reply in zip(items, replies) if item.in_scope]
     routed = sum(reply.get("route") in ("cache", "cache+retrieval") for reply in in_scope)

@@ -31,6 +31,9 @@ class Answer:
     not_relevant: bool = False  # declined because that probability was below the engine's threshold
     reasked: bool = False  # the model declined, judged its text to answer after all, and was asked again
     rules_fired: tuple[str, ...] = ()  # the rules (cagflow.rules) that held for this answer, switched off or not
+    # milliseconds per stage (engine.Stages): prefix (the system turn: a snapshot, reused passage states or a
+    # prefill), answer (question prefill and decoding), relevance (the check), reask (second attempts)
+    stages_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def decline_reason(self) -> str | None:

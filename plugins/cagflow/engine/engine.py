@@ -38,6 +38,19 @@ from .shared_prefix import supports as supports_shared_prefix
 QUESTION_ONLY_SYSTEM = "You are a support assistant. Answer the user's question in one or two short sentences."
 
 
+class Stages:
+    """Where an answer's time went, stage by stage, in milliseconds: the laps add up to its total."""
+
+    def __init__(self, started: float):
+        self.last = started
+        self.ms: dict[str, float] = {}
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.ms[stage] = round(self.ms.get(stage, 0.0) + (now - self.last) * 1000, 2)
+        self.last = now
+
+
 class SnapshotMismatch(CagflowError, ValueError):
     """The snapshot was built for another model or another prompt template: it cannot be reused."""
 
@@ -272,16 +285,19 @@ class Engine:
         be the decline sentence is held back: a decline that the document alone (after newer passages) or the
         relevance check overrules is never shown."""
         started = time.perf_counter()
+        stages = Stages(started)
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         route, ids, reused, prefix_len = self._plan(question, snapshot, context, reuse_cache)
         self._check_room(route, ids, reused, budget)
         prefix = None
         if self.fast is not None:
             prefix, reused = self._fast_prefix(ids, reused, prefix_len, snapshot, context, question)
+        stages.lap("prefix")
         decoded = Decoded(started)
         yield from self._decode(decoded, ids, reused, snapshot, budget, prefix, hold=wording(question).declined)
         answer = decoded.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused,
                                 self.disabled_rules)
+        stages.lap("answer")
         if snapshot is not None and context and answer.decline_reason == "model_declined" and self._applies(
                 answer, "reask_document_alone"):
             # Newer passages are there to override a fact of the document; when the model finds no answer with
@@ -295,15 +311,22 @@ class Engine:
             answer = decoded.answer(self.tokenizer, snapshot, None, question, route, len(ids), reused,
                                     self.disabled_rules)
             answer.rules_fired = ("reask_document_alone", *answer.rules_fired)
-        if route != "question-only" and self._check_relevance(answer, question, snapshot, context, reused, prefix):
+            stages.lap("reask")
+        again = route != "question-only" and self._check_relevance(answer, question, snapshot, context, reused,
+                                                                    prefix)
+        stages.lap("relevance")
+        if again:
             for item in self._answer_again(answer, question, snapshot, context, reuse_cache, budget, prefix, started):
                 if isinstance(item, Answer):
                     answer = item
                 else:
                     yield item
+            stages.lap("reask")
         else:
             yield from decoded.rest(self.tokenizer)
+            stages.lap("answer")
         answer.total_s = time.perf_counter() - started
+        answer.stages_ms = stages.ms
         yield answer
 
     def _answer_again(self, declined: Answer, question: str, snapshot: Snapshot | None,

@@ -272,6 +272,7 @@ def answer_outputs(pb_utils, served: ServedAnswer) -> list:
         _text(pb_utils, "DECLINE_REASON", answer.decline_reason or ""),
         _number(pb_utils, "RELEVANCE", -1.0 if answer.relevance is None else answer.relevance, np.float32),
         _text(pb_utils, "RULES_FIRED", json.dumps(list(answer.rules_fired))),
+        _text(pb_utils, "STAGES_MS", json.dumps(answer.stages_ms)),
     ]
 
 

@@ -41,9 +41,14 @@ def _timings(plan: Plan, outputs: dict[str, Any], started: float) -> dict[str, f
     # The model's own compute: GEN_MS, unless Triton answered faster than that; none for a kept answer.
     compute_ms = 0.0 if outputs.get("ANSWER_SOURCE") == "answer-cache" else min(generate_ms, triton_ms)
     steps = plan.timings_ms
-    return {"route": steps.get("route", 0.0), "embed": steps.get("embed", 0.0), "search": steps.get("search", 0.0),
-            "updates": steps.get("updates", 0.0), "triton": triton_ms, "cite": steps.get("cite", 0.0),
-            "ttft": ttft_ms, "generate": generate_ms, "overhead": round(total_ms - compute_ms, 2), "total": total_ms}
+    timings = {"route": steps.get("route", 0.0), "embed": steps.get("embed", 0.0), "search": steps.get("search", 0.0),
+               "updates": steps.get("updates", 0.0), "triton": triton_ms, "cite": steps.get("cite", 0.0),
+               "ttft": ttft_ms, "generate": generate_ms, "overhead": round(total_ms - compute_ms, 2), "total": total_ms}
+    if outputs.get("ANSWER_SOURCE", "computed") == "computed" and outputs.get("STAGES_MS"):
+        # Triton's part, split: waiting (queue, snapshot load, transfer), then the model's stages (GEN_MS)
+        timings["triton_wait"] = round(max(0.0, triton_ms - generate_ms), 2)
+        timings.update({f"model_{stage}": ms for stage, ms in json.loads(outputs["STAGES_MS"]).items()})
+    return timings
 
 
 def _count(route: str, timings: dict[str, float], outputs: dict[str, Any], decline_reason: str | None,

@@ -106,3 +106,9 @@ def test_stored_states_are_loaded_and_checked(tiny_model):
                            load=lambda k: asked.append(k) or passage_state_from_bytes(data, engine.fingerprint, k))
     state, reused = states.state(header, piece)
     assert reused and asked == [key] and torch.equal(state[0][0], keys[0])
+
+
+def test_stages_add_up_to_the_answer_time(reusing_engine):
+    answer = reusing_engine.answer("When do backups run?", context=PASSAGES[:2])
+    assert {"prefix", "answer", "relevance"} <= set(answer.stages_ms)
+    assert abs(sum(answer.stages_ms.values()) - answer.total_s * 1000) < 5

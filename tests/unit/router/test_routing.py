@@ -32,7 +32,8 @@ class FakeTriton:
             raise self.failures.pop(0)
         key = inputs.get("snapshot_key") or ""
         return {"ANSWER": "".join(PIECES), "ANSWERED": True, "CACHE_HIT": bool(key), "SNAPSHOT_KEY": key,
-                "GEN_MS": 4.0, "TTFT_MS": 1.0, "TOKEN_IDS": [1, 2]}
+                "GEN_MS": 4.0, "TTFT_MS": 1.0, "TOKEN_IDS": [1, 2],
+                "STAGES_MS": '{"prefix": 1.0, "answer": 2.5, "relevance": 0.5}'}
 
     def infer(self, **inputs) -> dict:
         return self._outputs(inputs)
@@ -99,6 +100,13 @@ def test_an_in_scope_question_is_answered_from_the_snapshot_alike_whole_and_stre
     assert events[:-1] == [("token", {"text": piece}) for piece in PIECES] and events[-1][0] == "answer"
     assert same(answer, events[-1][1]) and events[-1][1]["request_id"] == "r2"
     assert [call["snapshot_key"] for call in triton.calls] == ["manual", "manual"]
+
+
+def test_timings_split_tritons_time_into_waiting_and_the_models_stages():
+    router, _ = make_router()
+    timings = router.answer(Query("Which port?", route="cache"), "r1")["timings_ms"]
+    assert (timings["model_prefix"], timings["model_answer"], timings["model_relevance"]) == (1.0, 2.5, 0.5)
+    assert timings["generate"] == 4.0 and timings["triton_wait"] == round(max(0.0, timings["triton"] - 4.0), 2)
 
 
 @pytest.mark.parametrize("failure, reason", [
