@@ -200,7 +200,7 @@ def test_precompute_publishes_verified_snapshots_and_searchable_chunks(sample_ru
     indexed = returned(run, "index")
     assert indexed["tier_total"] == indexed["upserted"] == len(returned(run, "chunk"))
     passages = returned(run, "precompute_passage_states")
-    assert passages["computed"] + passages["unaligned"] == indexed["upserted"] and passages["computed"] > 0
+    assert passages["computed"] == indexed["upserted"]
     assert len(list(store.list("passages/"))) >= passages["computed"]
     hits = index.search("Which port do I open in my browser to reach the Skerry web console?", tier="fixed")
     assert hits[0].doc_id == "skerry-admin-manual" and "8443" in " ".join(hit.text for hit in hits)

@@ -134,14 +134,16 @@ def passages_system(passages: Sequence[Passage], question: str = "") -> str:
     answered 11 of 20 release-note questions this way against 7 with numbered, dated labels: it found the
     version in a heading ("Skerry 5.1.1 Release Notes") and no longer gave a label's date for the date a
     passage mentions."""
-    return wording(question).passages_instruction + "".join(passage_piece(passage) for passage in passages)
+    return f"{wording(question).passages_instruction}\n\n" + "".join(passage_piece(passage) for passage in passages)
 
 
 def passage_piece(passage: Passage) -> str:
     """One passage as it follows the instruction (or the passage before it) in the retrieval route's system
-    turn; the unit whose keys and values are computed once and reused (``engine.passage_kv``)."""
+    turn; the unit whose keys and values are computed once and reused (``engine.passage_kv``). It ends with
+    its blank line: byte-level tokenizers join punctuation to the newlines after it (".\n\n" is one token),
+    so a piece that began with them would not tokenize alone as it does in the prompt."""
     label = " — ".join(part for part in (passage.title, passage.section) if part)
-    return f"\n\n## {label}\n{passage.text}" if label else f"\n\n{passage.text}"
+    return f"## {label}\n{passage.text}\n\n" if label else f"{passage.text}\n\n"
 
 
 def updates_text(passages: Sequence[Passage], question: str = "") -> str:
@@ -175,14 +177,20 @@ class TokenizedPrompt:
 
 @dataclass(frozen=True)
 class PassageLayout:
-    """The leading ids of a retrieval prompt: the instruction's, then each passage's (``passage_piece``)."""
+    """A retrieval prompt's system turn: the instruction's ids, each passage's (``passage_piece``), the end's."""
 
     header: list[int]
     pieces: list[list[int]]
+    closing: list[int]
 
     @property
     def n_tokens(self) -> int:
+        """The ids a reused prefix covers: the instruction and the passages."""
         return len(self.header) + sum(map(len, self.pieces))
+
+    @property
+    def ids(self) -> list[int]:
+        return [*self.header, *(token for piece in self.pieces for token in piece), *self.closing]
 
 
 class PromptBuilder:
@@ -234,41 +242,41 @@ class PromptBuilder:
     def prefix_ids(self, system: str) -> list[int]:
         return self.encode(self.prefix_text(system))
 
-    def passage_layout(self, passages: Sequence[Passage], question: str) -> "PassageLayout | None":
-        """The retrieval route's system turn in tokens, as the instruction's (``header``) then each passage's
-        on its own (``pieces``); None where tokenizing the turn whole does not give the same ids (a token
-        across a boundary), since reused passage keys must stand for exactly the prompt's tokens."""
+    def passage_layout(self, passages: Sequence[Passage], question: str) -> "PassageLayout":
+        """The retrieval route's system turn in tokens: the instruction's (``header``), each passage's on its
+        own (``pieces``), then the turn's end. The route's prompt is these ids joined (``tokenize(...,
+        joined=True)``), so a passage has the same ids wherever it stands and its reused state fits exactly."""
         system = passages_system(passages, question)
         rendered = self.prefix_text(system)
-        header_end = rendered.find(system)
-        if header_end < 0:
-            return None
-        header_end += len(wording(question).passages_instruction)
-        header = self.encode(rendered[:header_end])
-        pieces = [self.encode(passage_piece(passage)) for passage in passages]
-        expected = self.encode(rendered)
-        joined = header + [token for piece in pieces for token in piece]
-        if expected[:len(joined)] != joined:
-            return None
-        return PassageLayout(header, pieces)
+        header_end = rendered.index(system) + len(wording(question).passages_instruction) + 2  # its blank line
+        texts = [passage_piece(passage) for passage in passages]
+        closing = rendered[header_end + sum(map(len, texts)):]
+        return PassageLayout(self.encode(rendered[:header_end]), [self.encode(text) for text in texts],
+                             self.encode(closing))
 
     def tokenize(self, system: str, question: str, prefix_ids: Sequence[int] | None = None,
-                 updates: Sequence[Passage] = (), may_decline: bool = True, excerpt: str = "") -> TokenizedPrompt:
+                 updates: Sequence[Passage] = (), may_decline: bool = True, excerpt: str = "",
+                 joined: bool = False) -> TokenizedPrompt:
         """Tokenise the full prompt once and split it where the prefix ends.
 
-        ``prefix_ids`` (a snapshot's) must be a true prefix of the full ids, or reusing that cache would be wrong.
+        ``prefix_ids`` (a snapshot's) must be a true prefix of the full ids, or reusing that cache would be wrong;
+        ``joined``: they are the system turn's ids as given (``passage_layout``), the rest is tokenised after them.
         """
-        return self._split(system, self.full_text(system, question, updates, may_decline, excerpt), prefix_ids)
+        return self._split(system, self.full_text(system, question, updates, may_decline, excerpt), prefix_ids,
+                           joined)
 
     def tokenize_relevance(self, system: str, question: str, prefix_ids: Sequence[int] | None = None,
-                           updates: Sequence[Passage] = ()) -> TokenizedPrompt:
+                           updates: Sequence[Passage] = (), joined: bool = False) -> TokenizedPrompt:
         """The relevance check's prompt, split where the (shared) prefix ends, like ``tokenize``."""
-        return self._split(system, self.relevance_text(system, question, updates), prefix_ids)
+        return self._split(system, self.relevance_text(system, question, updates), prefix_ids, joined)
 
-    def _split(self, system: str, full_text: str, prefix_ids: Sequence[int] | None) -> TokenizedPrompt:
+    def _split(self, system: str, full_text: str, prefix_ids: Sequence[int] | None,
+               joined: bool = False) -> TokenizedPrompt:
         prefix_text = self.prefix_text(system)
         if not full_text.startswith(prefix_text):
             raise PromptError("the chat template does not render the system turn as a prefix of the prompt")
+        if joined and prefix_ids is not None:
+            return TokenizedPrompt([*prefix_ids, *self.encode(full_text[len(prefix_text):])], len(prefix_ids))
         ids = self.encode(full_text)
         expected = list(prefix_ids) if prefix_ids is not None else self.encode(prefix_text)
         if ids[:len(expected)] != expected:

@@ -179,8 +179,9 @@ class Engine:
                 return ("cache+retrieval" if context else "cache"), prompt.ids, prompt.prefix_len, prompt.prefix_len
             return "full", prompt.ids, 0, prompt.prefix_len
         if context is not None:
-            prompt = self.prompts.tokenize(passages_system(context, question), question, may_decline=may_decline,
-                                           excerpt=excerpt)
+            layout = self.prompts.passage_layout(context, question)
+            prompt = self.prompts.tokenize(passages_system(context, question), question, layout.ids,
+                                           may_decline=may_decline, excerpt=excerpt, joined=True)
             return "retrieval", prompt.ids, 0, prompt.prefix_len
         prompt = self.prompts.tokenize(QUESTION_ONLY_SYSTEM, question, may_decline=may_decline)
         return "question-only", prompt.ids, 0, prompt.prefix_len
@@ -217,15 +218,13 @@ class Engine:
                      passages: Sequence[Passage] | None = None, question: str = "") -> tuple[object, int]:
         """The int8 engine's prefix for a prompt and how many of its tokens were reused: the snapshot's
         tensors (cache route); on the retrieval route the passages' reused states where ``passage_states``
-        is on and the prompt starts with their ids; else the system turn computed now in the same blocks (full
+        is on; else the system turn computed now in the same blocks (full
         route: hence bitwise the cache route's numbers). Kept, so the relevance check after the answer
         prefills only its own question."""
         if reused:
             return (snapshot.keys, snapshot.values), reused
         if passages and snapshot is None and self.passage_states is not None:
-            layout = self.prompts.passage_layout(passages, question)
-            if layout is not None and layout.n_tokens <= prefix_len:
-                return self.passage_states.compose(layout)
+            return self.passage_states.compose(self.prompts.passage_layout(passages, question))
         return self.fast.prefill_prefix(ids[:prefix_len]), 0
 
     @torch.inference_mode()
@@ -473,9 +472,13 @@ class Engine:
         newer passages after it) answer ``question``: it is asked so, after the same system turn, and its
         "yes" and "no" tokens are compared. The prompt shares the answer's prefix (``reused`` snapshot ids, or
         the int8 engine's ``prefix``), so only the check's own tokens are prefilled."""
-        system = snapshot.system_prompt if snapshot is not None else passages_system(context or (), question)
-        prompt = self.prompts.tokenize_relevance(system, question, snapshot.prefix_token_ids if snapshot else None,
-                                                 updates=(context or ()) if snapshot is not None else ())
+        if snapshot is not None:
+            prompt = self.prompts.tokenize_relevance(snapshot.system_prompt, question, snapshot.prefix_token_ids,
+                                                     updates=context or ())
+        else:
+            prompt = self.prompts.tokenize_relevance(passages_system(context or (), question), question,
+                                                     self.prompts.passage_layout(context or (), question).ids,
+                                                     joined=True)
         ids = prompt.ids
         if self.fast is not None:
             if prefix is None:

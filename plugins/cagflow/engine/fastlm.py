@@ -350,19 +350,24 @@ class FastLM:
     # ---- public API ----
 
     @torch.inference_mode()
-    def prefill_prefix(self, token_ids: Sequence[int],
-                       on_block: Callable[[int, int], None] | None = None) -> PrefixKV:
+    def prefill_prefix(self, token_ids: Sequence[int], on_block: Callable[[int, int], None] | None = None,
+                       after: PrefixKV | None = None) -> PrefixKV:
         """The snapshot of a document prefix: per layer K and V ``[kv_heads, T, head_dim]`` bf16 (contiguous),
-        computed in blocks of ``prefill_block`` tokens from position 0; ``on_block(done, total)`` hears each."""
+        computed in blocks of ``prefill_block`` tokens from position 0; ``on_block(done, total)`` hears each.
+        With ``after`` (a prefix's K/V), the tokens follow it: the result is ``after`` and then theirs."""
         c = self.config
-        n = len(token_ids)
-        if n == 0:
+        start = after[0][0].shape[1] if after is not None else 0
+        n = start + len(token_ids)
+        if n == start:
             raise ValueError("empty prefix")
         keys = [torch.empty(c.kv_heads, n, c.head_dim, dtype=torch.bfloat16) for _ in range(c.layers)]
         values = [torch.empty(c.kv_heads, n, c.head_dim, dtype=torch.bfloat16) for _ in range(c.layers)]
-        ids = torch.tensor(list(token_ids), dtype=torch.long)
+        if after is not None:
+            for mine, theirs in zip(keys + values, after[0] + after[1]):
+                mine[:, :start] = theirs
+        ids = torch.tensor([0] * start + list(token_ids), dtype=torch.long)
         zero = torch.zeros(1, dtype=torch.long)
-        for begin in range(0, n, self.prefill_block):
+        for begin in range(start, n, self.prefill_block):
             end = min(n, begin + self.prefill_block)
             prefix = ([k[:, :begin] for k in keys], [v[:, :begin] for v in values]) if begin else None
             self._block(ids[None, begin:end], prefix, [k[None, :, begin:end] for k in keys],

@@ -74,8 +74,10 @@ class PassageStates:
         return passage_key(self.fingerprint, header, piece)
 
     def compute(self, header: Sequence[int], piece: Sequence[int]) -> PrefixKV:
-        """The passage's K/V at positions len(header)..: prefilled behind the instruction, which is dropped."""
-        keys, values = self.fast.prefill_prefix([*header, *piece])
+        """The passage's K/V at positions len(header)..: prefilled behind the instruction's state (kept, so
+        each passage costs only its own tokens), which is then dropped."""
+        after = self.state([], header)[0] if header else None
+        keys, values = self.fast.prefill_prefix(piece, after=after)
         start = len(header)
         return [k[:, start:].contiguous() for k in keys], [v[:, start:].contiguous() for v in values]
 

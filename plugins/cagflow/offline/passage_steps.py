@@ -25,11 +25,11 @@ SECONDS_PER_DAY = 86400
 def _units(prompts: PromptBuilder, chunk: dict) -> list[tuple[list[int], list[int]]]:
     """The (context, ids) pairs a chunk's states are keyed by: its language's instruction alone, and the chunk
     after it (the instruction follows the question's language; a chunk is kept for its own language's
-    questions). Empty where the chunk's tokens do not stand alone in the prompt."""
+    questions)."""
     from ..answering.prompt import Passage
 
     layout = prompts.passage_layout([Passage(chunk["text"], chunk["title"], chunk["section"])], chunk["text"])
-    return [([], layout.header), (layout.header, layout.pieces[0])] if layout is not None else []
+    return [([], layout.header), (layout.header, layout.pieces[0])]
 
 
 def precompute_passages(chunks: Sequence[dict], config: Config | None = None) -> dict:
@@ -39,7 +39,7 @@ def precompute_passages(chunks: Sequence[dict], config: Config | None = None) ->
     from ..store.layout import passage_object
 
     config = resolve_config(config)
-    counts = {"computed": 0, "present": 0, "unaligned": 0, "tokens": 0}
+    counts = {"computed": 0, "present": 0, "tokens": 0}
     if config.model.passage_kv != "reuse" or not chunks:
         return {**counts, "tokens_per_s": 0.0}
     engine = engine_for(config)
@@ -50,11 +50,7 @@ def precompute_passages(chunks: Sequence[dict], config: Config | None = None) ->
     store = snapshot_store(config)
     started = time.perf_counter()
     for chunk in chunks:
-        units = _units(engine.prompts, chunk)
-        if not units:
-            counts["unaligned"] += 1
-            continue
-        for header, piece in units:
+        for header, piece in _units(engine.prompts, chunk):
             key = states.key(header, piece)
             name = passage_object(engine.fingerprint, key)
             if store.head(name) is not None:
@@ -66,8 +62,8 @@ def precompute_passages(chunks: Sequence[dict], config: Config | None = None) ->
             counts["tokens"] += len(header) + len(piece)
     seconds = time.perf_counter() - started
     rate = counts["tokens"] / seconds if seconds > 0 else 0.0
-    log.info("passage states: %d computed (%d prompt tokens, %.0f tokens/s), %d already stored, %d not aligned",
-             counts["computed"], counts["tokens"], rate, counts["present"], counts["unaligned"])
+    log.info("passage states: %d computed (%d prompt tokens, %.0f tokens/s), %d already stored",
+             counts["computed"], counts["tokens"], rate, counts["present"])
     return {**counts, "tokens_per_s": round(rate, 1)}
 
 

@@ -23,16 +23,19 @@ def reusing_engine(tiny_model):
 
 def test_system_turn_text_is_the_instruction_then_each_piece():
     system = passages_system(PASSAGES[:2], "Which port?")
-    assert system.endswith("\n\n## Admin guide — Backups\nBackups run nightly at 02:00 and are kept for 14 days.")
-    assert passage_piece(Passage("plain")) == "\n\nplain"
+    assert system.endswith(".\n\n## Admin guide — Ports\nThe console listens on port 8443 and redirects plain HTTP to "
+                           "it.\n\n## Admin guide — Backups\nBackups run nightly at 02:00 and are kept for 14 days.\n\n")
+    assert passage_piece(Passage("plain")) == "plain\n\n"
 
 
-def test_layout_tokens_are_the_prompts_leading_tokens(reusing_engine):
+def test_layout_tokens_are_the_retrieval_prompts_leading_tokens(reusing_engine):
     prompts = reusing_engine.prompts
     layout = prompts.passage_layout(PASSAGES, "Which port?")
     ids = prompts.tokenize(passages_system(PASSAGES, "Which port?"), "Which port?").ids
-    assert layout is not None and len(layout.pieces) == 3
-    assert ids[:layout.n_tokens] == layout.header + [t for piece in layout.pieces for t in piece]
+    assert len(layout.pieces) == 3 and len(ids) > len(layout.ids)
+    joined = prompts.tokenize(passages_system(PASSAGES, "Which port?"), "Which port?", layout.ids, joined=True)
+    assert joined.ids[:len(layout.ids)] == layout.ids and joined.prefix_len == len(layout.ids)
+    assert prompts.tokenizer.decode(joined.ids) == prompts.tokenizer.decode(ids)  # the same text
 
 
 def test_rerotation_moves_keys_to_a_later_position(reusing_engine):
