@@ -337,6 +337,9 @@ class IngestConfig(_Section):
     """The ``cag_variable_ingest`` DAG."""
 
     schedule: str = "@hourly"
+    # Tiers whose chunks' passage states (model.passage_kv: reuse) the ingest computes; other chunks' states are
+    # computed by serving on first use. Variable documents are what the retrieval route answers from.
+    passage_state_tiers: list[Literal["fixed", "variable"]] = ["variable"]
 
 
 class MaintenanceConfig(_Section):

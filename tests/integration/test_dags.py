@@ -50,6 +50,7 @@ def airflow_env(tmp_path_factory, tiny_model_dir):
         env.setenv("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
         env.setenv("CAGFLOW__MODEL__PATH", str(tiny_model_dir))
         env.setenv("CAGFLOW__PRECOMPUTE__TRITON_URL", "127.0.0.1:9")
+        env.setenv("CAGFLOW__INGEST__PASSAGE_STATE_TIERS", "[fixed, variable]")  # the fixed runs store them too
         for name in ("CAGFLOW_CONFIG", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
             env.delenv(name, raising=False)
         yield home

@@ -231,7 +231,10 @@ def ensure_served(config: Config, client, dataset: Dataset, ingest: bool) -> Pat
                            f"active release ({', '.join(missing[:3])}...); run without --no-ingest to add them")
     print(f"adding {len(missing)} document(s) of {dataset.name} to the stack (index, snapshots, release), with the "
           f"corpus of {config.corpus.manifest}: {manifest}", file=sys.stderr, flush=True)
-    settings = config.model_copy(update={"corpus": config.corpus.model_copy(update={"manifest": str(manifest)})})
+    # the dataset's passages get their states at ingest, as a deployment that reuses them computes them
+    settings = config.model_copy(update={
+        "corpus": config.corpus.model_copy(update={"manifest": str(manifest)}),
+        "ingest": config.ingest.model_copy(update={"passage_state_tiers": ["fixed", "variable"]})})
     release = run_fixed_pipeline(settings)
     print(f"release {release['release_id']}: {release['documents']} documents; serving reload: "
           f"{release['reload']}", file=sys.stderr, flush=True)

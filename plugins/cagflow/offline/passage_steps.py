@@ -33,13 +33,14 @@ def _units(prompts: PromptBuilder, chunk: dict) -> list[tuple[list[int], list[in
 
 
 def precompute_passages(chunks: Sequence[dict], config: Config | None = None) -> dict:
-    """Write the state of every chunk (records with ``text``, ``title``, ``section``) that the store lacks;
-    returns counts and the prompt tokens computed per second."""
+    """Write the state of every chunk (records with ``text``, ``title``, ``section``, ``tier``) of the tiers
+    ``ingest.passage_state_tiers`` names that the store lacks; returns counts and prompt tokens per second."""
     from ..documents.snapshot import passage_state_bytes
     from ..store.layout import passage_object
 
     config = resolve_config(config)
     counts = {"computed": 0, "present": 0, "tokens": 0}
+    chunks = [chunk for chunk in chunks if chunk.get("tier") in config.ingest.passage_state_tiers]
     if config.model.passage_kv != "reuse" or not chunks:
         return {**counts, "tokens_per_s": 0.0}
     engine = engine_for(config)

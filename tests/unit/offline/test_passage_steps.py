@@ -9,9 +9,9 @@ from cagflow.inference.service import _passage_reader
 from cagflow.offline.passage_steps import live_passage_objects, plan_passage_garbage, precompute_passages
 from cagflow.store.backends import open_store
 
-CHUNKS = [{"text": "The console listens on port 8443.", "title": "Admin guide", "section": "Ports"},
-          {"text": "Backups run nightly at 02:00.", "title": "Admin guide", "section": "Backups"},
-          {"text": "控制台默认监听 8443 端口。", "title": "管理指南", "section": "端口"}]
+CHUNKS = [{"text": "The console listens on port 8443.", "title": "Admin guide", "section": "Ports", "tier": "variable"},
+          {"text": "Backups run nightly at 02:00.", "title": "Admin guide", "section": "Backups", "tier": "variable"},
+          {"text": "控制台默认监听 8443 端口。", "title": "管理指南", "section": "端口", "tier": "variable"}]
 
 
 def _config(model_dir, store_dir, mode="reuse") -> Config:
@@ -47,6 +47,14 @@ def test_a_damaged_stored_state_is_computed_instead(tiny_model_dir, tmp_path):
     passages = [Passage(CHUNKS[0]["text"], CHUNKS[0]["title"], CHUNKS[0]["section"])]
     answer = engine.answer("Which port does the console use?", context=passages)
     assert answer.route == "retrieval" and answer.reused_tokens == 0 and answer.token_ids
+
+
+def test_only_the_configured_tiers_are_computed_at_ingest(tiny_model_dir, tmp_path):
+    config = _config(tiny_model_dir, tmp_path / "store")
+    fixed = [{**chunk, "tier": "fixed"} for chunk in CHUNKS]
+    assert precompute_passages(fixed, config)["computed"] == 0
+    both = config.model_copy(update={"ingest": config.ingest.model_copy(update={"passage_state_tiers": ["fixed"]})})
+    assert precompute_passages(fixed, both)["computed"] == 3
 
 
 def test_prefill_mode_stores_nothing(tiny_model_dir, tmp_path):
