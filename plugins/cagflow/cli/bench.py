@@ -14,6 +14,8 @@ BENCHMARKS = {
     "engine": "answer speed from a resident snapshot",
     "answers": "are the answers right, per route, through the running API (--precisions: int8 against fp32 in "
                "this process)",
+    "passages": "the retrieval route with reused passage states against full prefill, on a public dataset's "
+                "questions and the same passages, in this process",
     "load": "many clients at once through the running API, and the servers' memory (exit 1 on an unintended error)",
     "faults": "faults injected into a stack of its own on 127.0.0.1 while requests are in flight (exit 1 when a "
               "scenario does not hold)",
@@ -84,6 +86,13 @@ def _add_answers(answers: argparse.ArgumentParser) -> None:
                               "record says fired; always in the result JSON)")
 
 
+def _add_passages(passages: argparse.ArgumentParser) -> None:
+    passages.add_argument("--dataset", default="squad2-dev", metavar="NAME|PATH", help="a dataset of bench/datasets")
+    passages.add_argument("--split", choices=("calibration", "report"), default="calibration",
+                          help="the half of the dataset's articles to ask about (default: calibration)")
+    passages.add_argument("--limit", type=int, help="ask only the first N questions")
+
+
 def _add_load(load: argparse.ArgumentParser) -> None:
     load.add_argument("--clients", type=int, help="clients asking at once in the burst (default 50)")
     load.add_argument("--duration", type=float, default=60, help="seconds of the burst (default 60)")
@@ -111,7 +120,8 @@ def _add_faults(faults: argparse.ArgumentParser) -> None:
     faults.add_argument("--max-new-tokens", type=int, help="per answer (default 24)")
 
 
-OPTIONS = {"engine": _add_engine, "answers": _add_answers, "load": _add_load, "faults": _add_faults}
+OPTIONS = {"engine": _add_engine, "answers": _add_answers, "passages": _add_passages, "load": _add_load,
+           "faults": _add_faults}
 
 
 def add_bench(commands: argparse._SubParsersAction) -> None:

@@ -23,8 +23,9 @@ def reusing_engine(tiny_model):
 
 def test_system_turn_text_is_the_instruction_then_each_piece():
     system = passages_system(PASSAGES[:2], "Which port?")
-    assert system.endswith(".\n\n## Admin guide — Ports\nThe console listens on port 8443 and redirects plain HTTP to "
-                           "it.\n\n## Admin guide — Backups\nBackups run nightly at 02:00 and are kept for 14 days.\n\n")
+    assert system.endswith(".\n\n## Admin guide — Ports\nThe console listens on port 8443 and redirects plain "
+                           "HTTP to it.\n\n## Admin guide — Backups\nBackups run nightly at 02:00 and are kept "
+                           "for 14 days.\n\n")
     assert passage_piece(Passage("plain")) == "plain\n\n"
 
 
