@@ -115,6 +115,9 @@ def test_cache_path_is_token_identical_to_the_full_prompt(server, tiny):
         assert reply["RELEVANCE"] == -1.0 and reply["ANSWERED"] is False and reply["DECLINE_REASON"]
     assert reply["SNAPSHOT_KEY"] == entry.key and reply["RELEASE_ID"] == release.release_id
     assert reply["REQUEST_ID"] == "exact-1" and reply["TTFT_MS"] > 0 and reply["GEN_MS"] >= reply["TTFT_MS"]
+    stages = json.loads(reply["STAGES_MS"])  # where GEN_MS went: the snapshot prefix, the answer, the check
+    assert {"prefix", "answer", "relevance"} <= set(stages)
+    assert sum(stages.values()) == pytest.approx(reply["GEN_MS"], abs=5)
 
 
 def test_a_doc_id_selects_that_documents_snapshot(server, tiny):
