@@ -6,6 +6,7 @@ tests use the tiny random model; one uses the real one."""
 from __future__ import annotations
 
 import importlib.util
+import copy
 import itertools
 import json
 import re
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from cagflow.documents.parsing import parse_file
 from cagflow.engine.engine import Engine
+from cagflow.engine.passage_kv import PassageStates
 from cagflow.answering.prompt import Passage
 from cagflow.devstack.triton import DEFAULT_MODEL_REPOSITORY, LocalTriton
 from cagflow.inference.resident import load_snapshot
@@ -132,10 +134,16 @@ def test_retrieval_path_answers_from_the_context(server, tiny):
     passages = [{"text": "The web console listens on port 8443.", "title": "Admin manual", "section": "Ports"},
                 "Backups are kept for 35 days."]
     reply = client.ask(server.http_url, QUESTION, context=json.dumps(passages))
-    expected = engine.answer(QUESTION, context=[Passage(**passages[0]), Passage(passages[1])],
-                             max_new_tokens=MAX_NEW_TOKENS)
+    # serving computes the passages' states on first use (model.passage_kv: reuse): the same here
+    reusing = copy.copy(engine)
+    reusing.passage_states = PassageStates(engine.fast, engine.fingerprint, 1 << 30)
+    expected = reusing.answer(QUESTION, context=[Passage(**passages[0]), Passage(passages[1])],
+                              max_new_tokens=MAX_NEW_TOKENS)
     assert reply["ROUTE"] == "retrieval" and reply["CACHE_HIT"] is False and reply["REUSED_TOKENS"] == 0
     assert reply["TOKEN_IDS"] == expected.token_ids and reply["SNAPSHOT_KEY"] == ""
+    again = client.ask(server.http_url, "When are backups deleted?", context=json.dumps(passages))
+    assert again["REUSED_TOKENS"] == reusing.prompts.passage_layout(
+        [Passage(**passages[0]), Passage(passages[1])], QUESTION).n_tokens  # every passage kept from the first
 
 
 def test_snapshot_with_newer_passages_is_token_identical_to_the_full_prompt(server, tiny):
