@@ -60,6 +60,7 @@ def main(config: Config, args: argparse.Namespace) -> int:
     from ..engine.passage_kv import PassageStates
     from .dataset_answers import document_texts
     from ..offline.connections import chunk_index
+    from ..offline.passage_steps import passage_units
 
     dataset = load_dataset(args.dataset)
     questions = [q for q in dataset.questions if q.split == args.split and q.kind in ("answerable", "near_miss")]
@@ -76,10 +77,9 @@ def main(config: Config, args: argparse.Namespace) -> int:
                 for h in hits}
     started, tokens = time.perf_counter(), 0
     for passage in distinct.values():  # what the ingest DAG does, ahead of the questions
-        layout = reuse.prompts.passage_layout([passage], passage.text)
-        reuse.passage_states.state([], layout.header)
-        reuse.passage_states.state(layout.header, layout.pieces[0])
-        tokens += len(layout.pieces[0])
+        for header, piece in passage_units(reuse.prompts, {"text": passage.text, "title": passage.title,
+                                                          "section": passage.section}):
+            tokens += 0 if reuse.passage_states.state(header, piece)[1] else len(piece)
     precompute_s = time.perf_counter() - started
     rows = []
     for number, question in enumerate(questions, start=1):

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 SECONDS_PER_DAY = 86400
 
 
-def _units(prompts: PromptBuilder, chunk: dict) -> list[tuple[list[int], list[int]]]:
+def passage_units(prompts: PromptBuilder, chunk: dict) -> list[tuple[list[int], list[int]]]:
     """The (context, ids) pairs a chunk's states are keyed by: its language's instruction alone, and the chunk
     after it (the instruction follows the question's language; a chunk is kept for its own language's
     questions)."""
@@ -51,7 +51,7 @@ def precompute_passages(chunks: Sequence[dict], config: Config | None = None) ->
     store = snapshot_store(config)
     started = time.perf_counter()
     for chunk in chunks:
-        for header, piece in _units(engine.prompts, chunk):
+        for header, piece in passage_units(engine.prompts, chunk):
             key = states.key(header, piece)
             name = passage_object(engine.fingerprint, key)
             if store.head(name) is not None:
@@ -60,7 +60,7 @@ def precompute_passages(chunks: Sequence[dict], config: Config | None = None) ->
             keys, values = states.compute(header, piece)
             store.put(name, passage_state_bytes(keys, values, engine.fingerprint, key), overwrite=True)
             counts["computed"] += bool(header)
-            counts["tokens"] += len(header) + len(piece)
+            counts["tokens"] += len(piece)  # a passage is computed behind the instruction's kept state
     seconds = time.perf_counter() - started
     rate = counts["tokens"] / seconds if seconds > 0 else 0.0
     log.info("passage states: %d computed (%d prompt tokens, %.0f tokens/s), %d already stored",
@@ -80,7 +80,7 @@ def live_passage_objects(chunks: Iterable[dict], config: Config) -> set[str]:
     folder, _, fingerprint = identify_model(config.model.path, config.model.precision)
     prompts = PromptBuilder(AutoTokenizer.from_pretrained(str(folder)))
     return {passage_object(fingerprint, passage_key(fingerprint, header, piece))
-            for chunk in chunks for header, piece in _units(prompts, chunk)}
+            for chunk in chunks for header, piece in passage_units(prompts, chunk)}
 
 
 def plan_passage_garbage(store: SnapshotStore, live: set[str], unused_days: float,
