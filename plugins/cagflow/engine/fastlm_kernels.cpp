@@ -1,4 +1,6 @@
-// Native kernels of fastlm (engine v2): AVX-512 (F, BW, DQ, VL, BF16) + at::parallel_for.
+// Native kernels of fastlm (engine v2): AVX-512 (F, BW, DQ, VL, BF16) + at::parallel_for, and AMX-BF16 for
+// wide blocks where the CPU has it (mm_int8_amx; never called elsewhere, so the library loads on any AVX-512-BF16
+// CPU).
 //
 // Every function here is deterministic by construction: each output element is computed by a fixed
 // sequence of operations that depends only on its own inputs (its query, the keys it may see, fixed
@@ -8,6 +10,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <cmath>
 #include <cstring>
 #include <algorithm>
@@ -566,6 +570,89 @@ at::Tensor mm_int8(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& 
 }
 
 // ------------------------------------------------------------------------------------------------
+// The same product with AMX tiles, for blocks of many rows (prefill): y[m, n] = bf16(scale[n] * sum_k ...),
+// from the same packed weights. Each thread converts two 16-channel blocks of int8 weights to bf16 once (the
+// packed [K/2, 16, 2] layout is exactly a B tile's pair-interleaved rows) and multiplies every 32 rows of x
+// against them (2 x 2 accumulator tiles; 2 x 1 for a last 16 rows), 32 inputs per tile product, in order. A row's result depends
+// on its own inputs only (tiles compute rows independently; rows past M are zero padding that is never
+// stored), and threads split output channels, never the sum, so rows are bitwise independent of the batch and
+// of the thread count, like mm_int8, whose results they match up to the order of summation.
+
+// The kernel may use AMX tiles only once the OS has granted this process the tile state (Linux >= 5.16).
+bool amx_ready() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// x bf16 [M, K] (K a multiple of 32); wp = pack_int8(w); scale bf16 [N] -> y bf16 [M, N]
+at::Tensor mm_int8_amx(const at::Tensor& x_in, const at::Tensor& wp, const at::Tensor& scale) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous() && x_in.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(wp.dim() == 4 && wp.is_contiguous() && wp.size(2) == 16 && wp.size(3) == 2);
+  TORCH_CHECK(amx_ready(), "the OS did not grant AMX tile state to this process");
+  const int64_t M = x_in.size(0), K = x_in.size(1), KP = K / 2, N = scale.numel(), NB = wp.size(0);
+  TORCH_CHECK(wp.size(1) == KP && NB == (N + 15) / 16 && K % 32 == 0, "packed weight does not match x / scale");
+  const int64_t MP = (M + 15) / 16 * 16;
+  at::Tensor x = x_in;
+  if (MP != M) {  // whole tiles of 16 rows: zero rows after the last one
+    x = at::zeros({MP, K}, x_in.options());
+    x.narrow(0, 0, M).copy_(x_in);
+  }
+  auto y = at::empty({M, N}, x_in.options());
+  std::vector<float> sc(NB * 16 + 16, 0.f);
+  const uint16_t* sp = u16(scale);
+  for (int64_t n = 0; n < N; ++n) sc[n] = bf2f(sp[n]);
+  const uint16_t* xp = u16(x);
+  const int8_t* wb = wp.data_ptr<int8_t>();
+  uint16_t* yp = u16m(y);
+  at::parallel_for(0, (NB + 1) / 2, 1, [&](int64_t b, int64_t e) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }  // tiles 0-3 fp32 C, 4-5 x, 6-7 weights
+    _tile_loadconfig(&cfg);
+    std::vector<__m512bh> wv(2 * KP);  // two blocks of 16 channels, one 64-byte tile row per input pair
+    alignas(64) float c[4][16][16];
+    for (int64_t pair = b; pair < e; ++pair) {
+      const int64_t nb = 2 * pair, second = std::min<int64_t>(nb + 1, NB - 1);  // an odd last block: twice
+      for (int64_t kp = 0; kp < KP; ++kp) {
+        wv[kp] = int8_pairs_to_bf16(wb + (nb * KP + kp) * 32);
+        wv[KP + kp] = int8_pairs_to_bf16(wb + (second * KP + kp) * 32);
+      }
+      for (int64_t m = 0; m < MP; m += 32) {
+        const bool pair_of_tiles = m + 16 < MP;  // else the last 16 rows alone
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t k = 0; k < K; k += 32) {
+          _tile_loadd(4, xp + m * K + k, K * 2);
+          _tile_loadd(6, &wv[k / 2], 64);
+          _tile_loadd(7, &wv[KP + k / 2], 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (pair_of_tiles) {
+            _tile_loadd(5, xp + (m + 16) * K + k, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64); _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
+        for (int t = 0; t < (pair_of_tiles ? 4 : 2); ++t) {
+          const int64_t block = t & 1 ? nb + 1 : nb, m0 = m + (t >> 1) * 16;
+          if (block >= NB) continue;
+          const __m512 s = _mm512_loadu_ps(sc.data() + block * 16);
+          for (int64_t r = 0; r < 16 && m0 + r < M; ++r)
+            store_out(yp + (m0 + r) * N + block * 16, N - block * 16, _mm512_mul_ps(_mm512_loadu_ps(c[t][r]), s));
+        }
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+
+// ------------------------------------------------------------------------------------------------
 // Fused element-wise steps of a decoder layer.
 
 // y = bf16(x * rsqrt(mean(x^2) + eps) * w), x fp32 [M, H] (H multiple of 16)
@@ -676,16 +763,16 @@ void add_bf16_(at::Tensor x, const at::Tensor& y) {
 void run_layers(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& cos, const at::Tensor& sin,
                 const std::vector<at::Tensor>& pk, const std::vector<at::Tensor>& pv,
                 const std::vector<at::Tensor>& sk, const std::vector<at::Tensor>& sv, const at::Tensor& start,
-                int64_t R, int64_t W, int64_t KV, int64_t G, int64_t D, double eps, double scale, bool native_mm) {
+                int64_t R, int64_t W, int64_t KV, int64_t G, int64_t D, double eps, double scale, int64_t matmul) {
   const int64_t layers = static_cast<int64_t>(sk.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 11 * layers);
   const at::Tensor none;
   auto q = at::empty({R, W, KV, G, D}, x.options().dtype(at::kBFloat16));
   auto att = at::empty({R, W, KV, G, D}, x.options().dtype(at::kBFloat16));
   const at::Tensor empty_kv = at::empty({0}, q.options());
-  // native: every linear through mm_int8 (weights packed by pack_int8); else _weight_int8pack_mm
-  auto mm = [native_mm](const at::Tensor& a, const at::Tensor& b, const at::Tensor& s) {
-    return native_mm ? mm_int8(a, b, s) : at::_weight_int8pack_mm(a, b, s);
+  // matmul 0: _weight_int8pack_mm; 1: mm_int8; 2: mm_int8_amx (both on weights packed by pack_int8)
+  auto mm = [matmul](const at::Tensor& a, const at::Tensor& b, const at::Tensor& s) {
+    return matmul == 2 ? mm_int8_amx(a, b, s) : matmul == 1 ? mm_int8(a, b, s) : at::_weight_int8pack_mm(a, b, s);
   };
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = &weights[11 * l];
@@ -708,5 +795,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_bf16_", &add_bf16_);
   m.def("run_layers", &run_layers);
   m.def("mm_int8", &mm_int8);
+  m.def("mm_int8_amx", &mm_int8_amx);
+  m.def("amx_ready", &amx_ready);
   m.def("pack_int8", &pack_int8);
 }

@@ -1,6 +1,7 @@
 """The int8 engine's machine side: its AVX-512-BF16 kernels (``fastlm_kernels.cpp``, compiled once per
-source, flags and torch installation) and MKL's strict reproducible mode, which the torch backend's fp32
-GEMMs need so that results do not depend on the thread count. Importing this module sets that mode."""
+source, flags and torch installation), whether the CPU adds AMX tiles for wide blocks, and MKL's strict
+reproducible mode, which the torch backend's fp32 GEMMs need so that results do not depend on the thread
+count. Importing this module sets that mode."""
 
 from __future__ import annotations
 
@@ -19,18 +20,35 @@ log = logging.getLogger("cagflow.engine")
 _KERNEL_SOURCE = Path(__file__).with_name("fastlm_kernels.cpp")
 # -fopenmp: at::parallel_for is inlined into the extension; without it the kernels run on one thread. The
 # extension then links libgomp.so.1, which resolves to the copy torch has already loaded (one runtime).
-_NATIVE_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+# -mamx-*: only mm_int8_amx uses tiles (the compiler never emits them on its own), so the library loads on any
+# AVX-512-BF16 CPU and that kernel is called only where ``amx_ready`` says so.
+_NATIVE_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mfma",
+                  "-mamx-tile", "-mamx-bf16", "-fopenmp"]
 
 _native = None
 _native_error: str | None = None
 
 
-def cpu_has_avx512_bf16() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return {"avx512_bf16", "avx512bw"} <= _cpu_flags()
+
+
+def amx_ready() -> bool:
+    """Whether wide blocks can run on AMX tiles: the CPU has AMX-BF16, the kernels are built and the OS grants
+    this process the tile state. ``CAGFLOW_AMX=0`` says no, so that a fleet whose CPUs differ can run one
+    recipe (a snapshot is reused only by the recipe that made it)."""
+    if os.environ.get("CAGFLOW_AMX", "1") == "0" or not {"amx_bf16", "amx_tile"} <= _cpu_flags():
         return False
-    return "avx512_bf16" in flags and "avx512bw" in flags
+    kernels = native_kernels()
+    return kernels is not None and bool(kernels.amx_ready())
 
 
 def kernel_build_dir() -> Path:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .kernels import MKL_STRICT_ERROR, native_kernels
+from .kernels import MKL_STRICT_ERROR, amx_ready, native_kernels
 
 RECIPE_VERSION = "fastlm-v1"  # bump when the numerics change: snapshots of another recipe are not reusable
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -59,8 +59,20 @@ def recipe_for(hf_config, prefill_block: int = 512) -> str:
     kernels when they are not built yet): it is part of the model fingerprint, so every snapshot key."""
     config = config_from_hf(hf_config)
     if shapes_fit_native(config) and native_kernels() is not None:
-        return recipe_name("native", "native", prefill_block)
+        return recipe_name("native", native_matmul(config), prefill_block)
     return recipe_name("torch", torch_matmul(), prefill_block)
+
+
+def shapes_fit_amx(config: LMConfig) -> bool:
+    """AMX tile products take the inputs 32 at a time."""
+    return config.hidden % 32 == 0 and config.intermediate % 32 == 0 and (config.heads * config.head_dim) % 32 == 0
+
+
+def native_matmul(config: LMConfig) -> str:
+    """The native backend's matmul for this model here: ``amx`` (AMX tiles for blocks of ``AMX_MIN_WIDTH``
+    tokens a row or more, mm_int8 for narrower ones) where the CPU, the OS and the shapes allow it, else
+    ``native`` (mm_int8 for every block)."""
+    return "amx" if shapes_fit_amx(config) and amx_ready() else "native"
 
 
 def torch_matmul() -> str:

@@ -13,9 +13,11 @@ from safetensors.torch import save as st_save
 from cagflow.engine import fastlm, kernels, lm_config, weights_file
 from cagflow.engine import model as engine_model
 
-# (backend, matmul): the torch backend's two kernels, and the native one where the CPU has it
+# (backend, matmul): the torch backend's two kernels, the native one where the CPU has it, and AMX tiles where
+# the CPU has them too
 KERNELS = [("torch", "int8pack"), ("torch", "f32")] + (
-    [("native", "native")] if kernels.native_kernels() is not None else [])
+    [("native", "native")] if kernels.native_kernels() is not None else []) + (
+    [("native", "amx")] if kernels.amx_ready() else [])
 BACKENDS = [backend for backend, _ in KERNELS]
 
 
@@ -140,7 +142,7 @@ def test_steps_stream_what_answer_batch_returns(tiny):
 
 def test_recipe_is_known_before_loading_weights(tiny):
     lm, model = tiny
-    if lm.backend == "native":
+    if lm.backend == "native" and lm.matmul == lm_config.native_matmul(lm.config):  # the one "auto" picks here
         assert lm_config.recipe_for(model.config, lm.prefill_block) == lm.recipe
     assert lm_config.supports(model.config)
 
@@ -240,6 +242,25 @@ def test_native_matmul_rows_independent_and_close_to_int8pack():
         torch.set_num_threads(threads)
     ref = torch.ops.aten._weight_int8pack_mm(x, w, s)
     torch.testing.assert_close(y.float(), ref.float(), atol=0.02, rtol=0.01)
+
+
+@pytest.mark.skipif(not kernels.amx_ready(), reason="no AMX-BF16 on this CPU")
+def test_amx_matmul_rows_independent_and_close_to_mm_int8():
+    k = kernels.native_kernels()
+    torch.manual_seed(0)
+    w, s = weights_file.quantize_rows(torch.randn(300, 320))  # an odd number of 16-channel blocks
+    packed = k.pack_int8(w)
+    x = torch.randn(70, 320).bfloat16()  # more than two tiles of 32 rows, the last one partial
+    y = k.mm_int8_amx(x, packed, s)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for a, b in [(0, 1), (2, 3), (1, 17), (0, 32), (5, 40), (31, 70)]:
+                assert torch.equal(k.mm_int8_amx(x[a:b].contiguous(), packed, s), y[a:b])
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(y.float(), k.mm_int8(x, packed, s).float(), atol=0.02, rtol=0.01)
 
 
 def test_int8pack_rows_independent_of_batch_and_threads():
