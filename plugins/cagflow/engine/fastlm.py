@@ -143,6 +143,8 @@ class FastLM:
             raise ValueError(f"matmul f32 needs MKL's strict reproducible mode: {MKL_STRICT_ERROR}")
         self.matmul = matmul
         self._native_mm = matmul in ("native", "amx")
+        # threads for a prefill block (AMX_MIN_WIDTH tokens a row or more): None keeps the caller's count
+        self.prefill_threads: Callable[[], int] | None = None
         self.cos, self.sin = rope
         self.scaling = config.head_dim ** -0.5
         if prepared:
@@ -266,12 +268,21 @@ class FastLM:
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
         pk, pv = prefix if prefix is not None else ([], [])
-        if self._k is not None:
-            kernel = 2 if self.matmul == "amx" and width >= AMX_MIN_WIDTH else 1  # mm_int8_amx or mm_int8
-            self._k.run_layers(x, self._flat, cos, sin, pk, pv, sk, sv, start, rows, width, c.kv_heads, c.groups,
-                               c.head_dim, c.eps, self.scaling, kernel)
-        else:
-            self._torch_layers(x, cos, sin, pk, pv, sk, sv, start, rows, width)
+        threads = torch.get_num_threads()
+        wanted = self.prefill_threads() if width >= AMX_MIN_WIDTH and self.prefill_threads is not None else threads
+        wide = wanted > threads
+        if wide:  # this thread's OpenMP team only; results do not depend on it
+            torch.set_num_threads(wanted)
+        try:
+            if self._k is not None:
+                kernel = 2 if self.matmul == "amx" and width >= AMX_MIN_WIDTH else 1  # mm_int8_amx or mm_int8
+                self._k.run_layers(x, self._flat, cos, sin, pk, pv, sk, sv, start, rows, width, c.kv_heads,
+                                   c.groups, c.head_dim, c.eps, self.scaling, kernel)
+            else:
+                self._torch_layers(x, cos, sin, pk, pv, sk, sv, start, rows, width)
+        finally:
+            if wide:
+                torch.set_num_threads(threads)
         return x.view(rows, width, c.hidden)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:

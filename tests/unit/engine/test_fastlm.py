@@ -420,3 +420,33 @@ def test_prepared_weights_are_written_once_per_model_and_recipe(tiny_model, tmp_
     second = engine_model.prepared_weights(folder, "b" * 64)  # new weights or recipe: the old file goes
     assert second != first and second.exists() and not first.exists()
     assert sorted(p.name for p in second.parent.iterdir() if not p.name.startswith(".")) == [second.name]
+
+
+def test_prefill_threads_change_time_only(tiny):
+    """A prefill block may take idle cores (``prefill_threads``): same bits, and the caller's thread count is
+    back afterwards; decoding steps keep the caller's count."""
+    lm, _ = tiny
+    prefix_ids, question = _ids(300, 7), _ids(12, 8)
+    expected = lm.answer(lm.prefill_prefix(prefix_ids), question, 6, eos_token_ids=[]).tokens
+    threads = torch.get_num_threads()
+    seen = []
+    lm.prefill_threads = lambda: seen.append(torch.get_num_threads()) or threads + 1
+    try:
+        assert lm.answer(lm.prefill_prefix(prefix_ids), question, 6, eos_token_ids=[]).tokens == expected
+    finally:
+        lm.prefill_threads = None
+    assert torch.get_num_threads() == threads
+    assert seen and set(seen) == {threads}  # asked once per wide block, never from inside one
+
+
+def test_idle_cores_reads_the_runnable_count(monkeypatch, tmp_path):
+    from cagflow.engine import threads
+
+    loadavg = tmp_path / "loadavg"
+    monkeypatch.setattr(threads, "_LOADAVG", loadavg)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+    for line, idle in [("0.5 0.4 0.3 1/300 999", 4), ("2.0 1.0 1.0 3/300 999", 2), ("9 9 9 12/300 1", 1)]:
+        loadavg.write_text(line)
+        assert threads.idle_cores() == idle
+    loadavg.unlink()
+    assert threads.idle_cores() == 1  # unreadable: no extra threads
