@@ -62,8 +62,6 @@ run: export CAGFLOW__SERVICE__TRITON_URL = 127.0.0.1:$(TRITON_HTTP_PORT)
 run: export CAGFLOW__SERVICE__TRITON_GRPC_URL = 127.0.0.1:$(TRITON_GRPC_PORT)
 run: export CAGFLOW__SERVICE__TRITON_METRICS_URL = http://127.0.0.1:$(TRITON_METRICS_PORT)/metrics
 run: export CAGFLOW__PRECOMPUTE__TRITON_URL = 127.0.0.1:$(TRITON_HTTP_PORT)
-# The sample's ~90 variable chunks would add ~10 min of passage states to the run: serving computes each on first use.
-run: export CAGFLOW__INGEST__PASSAGE_STATE_TIERS = []
 run:
 	@mkdir -p $(VENV) && : > $(RUN_STEPS)
 	$(call step,install dependencies,$(MAKE) --no-print-directory install)

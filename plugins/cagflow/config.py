@@ -309,6 +309,10 @@ class ModelConfig(_Section):
     # per request. int8 engine only. Measured in bench/README "Reused passage states".
     passage_kv: Literal["reuse", "prefill"] = "reuse"
     passage_kv_memory_mb: int = Field(512, ge=0)  # passage states kept in memory per serving process
+    # With reuse, the last N passages are prefilled behind the others' states (attending to them, as in a full
+    # prefill); 0: every passage reused. On public data 1 gained nothing for 1.7 s (bench/README "Reused passage
+    # states").
+    passage_kv_recompute: int = Field(0, ge=0)
 
     @field_validator("max_new_tokens")
     @classmethod

@@ -54,10 +54,22 @@ def _ask(engine, question, passages, texts: dict[str, str]) -> dict:
     return score(question, asked, texts)
 
 
+def _engine_for(mode: str, prefill, config: Config):
+    """``prefill``, or ``reuse-N``: the same loaded model reusing passage states, the last N passages
+    prefilled in context (``model.passage_kv_recompute``)."""
+    from ..engine.engine import Engine
+    from ..engine.passage_kv import PassageStates
+
+    if mode == "prefill":
+        return prefill
+    states = PassageStates(prefill.fast, prefill.fingerprint, 8 * 2**30, recompute_last=int(mode.split("-")[1]))
+    return Engine(prefill.loaded, prefill.max_context_tokens, prefill.max_new_tokens, prefill.question_budget_tokens,
+                  config.model.relevance, config.rules.disabled, passage_states=states)
+
+
 def main(config: Config, args: argparse.Namespace) -> int:
     from ..answering.prompt import Passage
     from ..engine.engine import Engine
-    from ..engine.passage_kv import PassageStates
     from .dataset_answers import document_texts
     from ..offline.connections import chunk_index
     from ..offline.passage_steps import passage_units
@@ -70,36 +82,35 @@ def main(config: Config, args: argparse.Namespace) -> int:
     with chunk_index(config) as index:
         found = {q.id: index.search(q.question) for q in questions}
     prefill = Engine.from_config(config.model.model_copy(update={"passage_kv": "prefill"}), config.rules.disabled)
-    reuse = Engine(prefill.loaded, prefill.max_context_tokens, prefill.max_new_tokens, prefill.question_budget_tokens,
-                   config.model.relevance, config.rules.disabled,
-                   passage_states=PassageStates(prefill.fast, prefill.fingerprint, 8 * 2**30))
+    engines = {mode: _engine_for(mode, prefill, config) for mode in args.modes}
     distinct = {(h.title, h.section, h.text): Passage(h.text, h.title, h.section) for hits in found.values()
                 for h in hits}
+    states = next((engine.passage_states for engine in engines.values() if engine.passage_states), None)
     started, tokens = time.perf_counter(), 0
-    for passage in distinct.values():  # what the ingest DAG does, ahead of the questions
-        for header, piece in passage_units(reuse.prompts, {"text": passage.text, "title": passage.title,
-                                                          "section": passage.section}):
-            tokens += 0 if reuse.passage_states.state(header, piece)[1] else len(piece)
+    for passage in distinct.values() if states else ():  # what the ingest DAG does, ahead of the questions
+        for header, piece in passage_units(prefill.prompts, {"text": passage.text, "title": passage.title,
+                                                            "section": passage.section}):
+            tokens += 0 if states.state(header, piece)[1] else len(piece)
     precompute_s = time.perf_counter() - started
     rows = []
     for number, question in enumerate(questions, start=1):
         passages = [Passage(h.text, h.title, h.section) for h in found[question.id]]
-        row = {"id": question.id, "kind": question.kind, "language": question.language,
-               "reuse": _ask(reuse, question, passages, texts), "prefill": _ask(prefill, question, passages, texts)}
+        row = {"id": question.id, "kind": question.kind, "language": question.language}
+        row.update({mode: _ask(engine, question, passages, texts) for mode, engine in engines.items()})
         rows.append(row)
-        print(f"[{number}/{len(questions)}] {question.id} {question.kind} reuse "
-              f"{'✓' if row['reuse']['right'] else '✗'} {row['reuse']['ttft_s']:.1f}s · prefill "
-              f"{'✓' if row['prefill']['right'] else '✗'} {row['prefill']['ttft_s']:.1f}s", flush=True)
-    report = {"dataset": dataset.name, "split": args.split, "model": config.model.path, "recipe": reuse.recipe,
-              "top_k": config.retrieval.top_k, "passages": len(distinct),
+        print(f"[{number}/{len(questions)}] {question.id} {question.kind} " + " · ".join(
+            f"{mode} {'✓' if row[mode]['right'] else '✗'} {row[mode]['ttft_s']:.1f}s" for mode in engines),
+            flush=True)
+    report = {"dataset": dataset.name, "split": args.split, "model": config.model.path, "recipe": prefill.recipe,
+              "top_k": config.retrieval.top_k, "passages": len(distinct), "modes": list(engines),
               "precompute": {"tokens": tokens, "seconds": round(precompute_s, 1),
                              "tokens_per_s": round(tokens / precompute_s, 1) if precompute_s else 0.0},
-              "cells": {f"{mode} {kind}": _mode_cell(rows, mode, kind) for mode in ("reuse", "prefill")
+              "cells": {f"{mode} {kind}": _mode_cell(rows, mode, kind) for mode in engines
                         for kind in ("answerable", "near_miss")},
-              "same_answer": sum(row["reuse"]["answer"] == row["prefill"]["answer"] for row in rows),
+              "same_answer": sum(len({row[mode]["answer"] for mode in engines}) == 1 for row in rows),
               "rows": rows}
     print(f"\n{dataset.name} {args.split} half, top {report['top_k']} passages, {len(rows)} questions "
-          f"({report['same_answer']} answered identically by both modes)")
+          f"({report['same_answer']} answered identically by every mode)")
     print(f"passage states: {len(distinct)} passages, {tokens} tokens in {precompute_s:.0f} s "
           f"({report['precompute']['tokens_per_s']} tokens/s)")
     for name, cell in report["cells"].items():

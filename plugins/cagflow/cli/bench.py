@@ -86,11 +86,20 @@ def _add_answers(answers: argparse.ArgumentParser) -> None:
                               "record says fired; always in the result JSON)")
 
 
+def _passage_mode(value: str) -> str:
+    if value == "prefill" or (value.startswith("reuse-") and value[6:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: prefill or reuse-N (N passages prefilled in context)")
+
+
 def _add_passages(passages: argparse.ArgumentParser) -> None:
     passages.add_argument("--dataset", default="squad2-dev", metavar="NAME|PATH", help="a dataset of bench/datasets")
     passages.add_argument("--split", choices=("calibration", "report"), default="calibration",
                           help="the half of the dataset's articles to ask about (default: calibration)")
     passages.add_argument("--limit", type=int, help="ask only the first N questions")
+    passages.add_argument("--modes", nargs="+", default=["reuse-0", "reuse-1", "prefill"], type=_passage_mode,
+                          help="prefill, and reuse-N: passage states reused, the last N passages prefilled in "
+                               "context (default: reuse-0 reuse-1 prefill)")
 
 
 def _add_load(load: argparse.ArgumentParser) -> None:

@@ -96,7 +96,8 @@ class Engine:
         if model.passage_kv == "reuse" and engine.fast is not None:
             load = (lambda key: stored_passage(engine.fingerprint, key)) if stored_passage is not None else None
             engine.passage_states = PassageStates(engine.fast, engine.fingerprint,
-                                                  model.passage_kv_memory_mb * 2**20, load)
+                                                  model.passage_kv_memory_mb * 2**20, load,
+                                                  model.passage_kv_recompute)
         return engine
 
     @property

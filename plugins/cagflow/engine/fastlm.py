@@ -6,15 +6,12 @@ Numeric recipe (``FastLM.recipe`` names it; it is part of what a snapshot means)
 - Weights: int8, symmetric, one scale per output row (``scale = absmax / 127``, rounded to bf16, weights
   quantised against the rounded scale), for every linear including the (tied) lm_head. q/k/v are one
   matmul, gate/up are one matmul. Activations entering a matmul are bf16, accumulation is fp32, outputs are
-  bf16: ``y = bf16(scale[n] * sum_k w[n, k] * x[k])``. Two kernels compute this formula:
-  ``matmul="int8pack"`` is ``torch.ops.aten._weight_int8pack_mm(x_bf16, w_int8[N, K], scales_bf16[N])``
-  (its fp32-input path is a ~25x slower scalar fallback: inputs must be bf16); ``matmul="native"``
-  (default with the native backend) is ``mm_int8`` from ``fastlm_kernels.cpp`` on the same int8 weights,
-  repacked in blocks of 16 output channels, with dpbf16 — 2-2.5x faster, only the summation order differs.
-  ``matmul="amx"`` (default where the CPU has AMX-BF16) computes blocks of at least ``AMX_MIN_WIDTH`` tokens
-  a row with ``mm_int8_amx`` (AMX tiles on the same packed weights, 4-10x mm_int8's speed on many rows) and
-  narrower blocks (decoding) with ``mm_int8``; like the torch backend's ``f32``, the choice depends on a
-  block's width only.
+  bf16: ``y = bf16(scale[n] * sum_k w[n, k] * x[k])``, computed by ``matmul="int8pack"`` (torch's
+  ``_weight_int8pack_mm``; bf16 inputs only, else a ~25x slower fallback), ``"native"`` (``mm_int8`` of
+  ``fastlm_kernels.cpp`` with dpbf16 on weights packed in blocks of 16 channels, 2-2.5x faster) or ``"amx"``
+  (where the CPU has AMX-BF16: blocks of ``AMX_MIN_WIDTH`` tokens a row or more on AMX tiles, ``mm_int8_amx``,
+  4-10x ``mm_int8`` on many rows; narrower ones, decoding, with ``mm_int8``). Only the summation order
+  differs, and a kernel is chosen by a block's width only.
 - The embedding, residual stream, RMSNorm statistics, Qwen2's q/k/v biases, RoPE and SiLU are fp32.
 - K/V are stored in bf16. Attention: bf16 q (pre-scaled) against bf16 K, fp32 scores and softmax statistics,
   weights rounded to bf16 against bf16 V with fp32 accumulation. Keys come from two places that are never
@@ -28,20 +25,14 @@ Numeric recipe (``FastLM.recipe`` names it; it is part of what a snapshot means)
   answer prefills each question alone and then decodes rows together with kernels whose every output row
   is independent of the batch, so it is bitwise identical to a single answer too.
 
-Backends: ``native`` (C++/AVX-512-BF16 kernels from ``fastlm_kernels.cpp``, compiled on first use with
-torch's cpp_extension, ~40 s once, cached under ``$CAGFLOW_HOME/kernels``) and ``torch`` (pure PyTorch, for
-CPUs without avx512_bf16 or without a compiler: slower, numerically close to but not bitwise equal to
-``native``). Each is deterministic and self-consistent; a snapshot must be used with the recipe that produced
-it. The torch backend's ``matmul="f32"`` (its default where MKL is torch's BLAS) runs attention in fp32 on
-the bf16 K/V (scores stay fp32, as in the native kernels) and computes blocks of at least ``WIDE_BLOCK``
-tokens a row (prefix blocks, long questions) with fp32 GEMMs on int8 weights widened per block (exact);
-narrower blocks (decoding, short questions) keep _weight_int8pack_mm. On AVX2, where MKL's bf16 GEMM runs at
-a few GFLOPS, this is 2.7x the prefill speed and 2.5x the cache-hit TTFT of ``int8pack`` (bf16 attention).
-The choice depends on a block's width only, so a cache hit and a full prompt still run identical blocks.
-MKL's GEMMs can split a reduction across threads, so this module switches MKL to strict conditional
-numerical reproducibility (``mkl_cbwr_set(AUTO | STRICT)``, as ``MKL_CBWR=AUTO,STRICT`` would) on import;
-results then do not depend on the thread count. Where that is impossible (MKL already used by the process,
-or another BLAS) ``f32`` is refused and ``auto`` picks ``int8pack``.
+Backends: ``native`` (C++/AVX-512-BF16 kernels from ``fastlm_kernels.cpp``, compiled once with torch's
+cpp_extension, cached under ``$CAGFLOW_HOME/kernels``) and ``torch`` (pure PyTorch, for CPUs without
+avx512_bf16 or a compiler: slower, close to but not bitwise equal to ``native``). Each is deterministic and
+self-consistent; a snapshot must be used with the recipe that produced it. The torch backend's
+``matmul="f32"`` (its default where MKL is torch's BLAS) runs attention in fp32 on the bf16 K/V and blocks of
+at least ``WIDE_BLOCK`` tokens a row with fp32 GEMMs on int8 weights widened per block (exact; on AVX2 2.7x the
+prefill speed of ``int8pack``), with MKL switched to strict reproducibility on import (``kernels``) so results
+do not depend on the thread count; where that is impossible ``f32`` is refused and ``auto`` picks ``int8pack``.
 
 Weights: the first load of a model quantises its checkpoint and writes the prepared tensors to one file
 that every process then maps read-only (``model.prepared_weights``, ``weights_file``); the kernels and MKL's mode
@@ -50,7 +41,7 @@ live in ``kernels``, the configuration and recipe names in ``lm_config``.
 Entry points: ``FastLM.from_pretrained(folder)``, ``FastLM.load(folder, weights_file)``, ``prefill_prefix(ids)``,
 ``steps(prefix, [ids, ...], n)`` (greedy tokens step by step, for streams and batches), ``answer(prefix, ids,
 n)``, ``answer_batch``, ``answer_full(ids, prefix_len, n)``, ``logits(prefix, ids)``. Threads: the caller sets
-``torch.set_num_threads`` (``model.threads``; one thread by default, see the README's thread policy).
+``torch.set_num_threads``; ``prefill_threads`` may widen prefill blocks (README "Thread policy").
 """
 
 from __future__ import annotations
@@ -68,6 +59,7 @@ import torch.nn.functional as F
 from .kernels import MKL_STRICT_ERROR, amx_ready, native_error, native_kernels
 from .lm_config import (LMConfig, config_from_hf, folder_config, native_matmul, recipe_name, rope_tables,
                         shapes_fit_amx, shapes_fit_native, torch_matmul)
+from .threads import at_least_threads
 from .weights_file import CheckpointTensors, map_weights, quantize_rows, round_up, write_weights
 
 log = logging.getLogger("cagflow.engine")
@@ -268,21 +260,14 @@ class FastLM:
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
         pk, pv = prefix if prefix is not None else ([], [])
-        threads = torch.get_num_threads()
-        wanted = self.prefill_threads() if width >= AMX_MIN_WIDTH and self.prefill_threads is not None else threads
-        wide = wanted > threads
-        if wide:  # this thread's OpenMP team only; results do not depend on it
-            torch.set_num_threads(wanted)
-        try:
+        wanted = self.prefill_threads() if width >= AMX_MIN_WIDTH and self.prefill_threads is not None else 0
+        with at_least_threads(wanted):
             if self._k is not None:
                 kernel = 2 if self.matmul == "amx" and width >= AMX_MIN_WIDTH else 1  # mm_int8_amx or mm_int8
                 self._k.run_layers(x, self._flat, cos, sin, pk, pv, sk, sv, start, rows, width, c.kv_heads,
                                    c.groups, c.head_dim, c.eps, self.scaling, kernel)
             else:
                 self._torch_layers(x, cos, sin, pk, pv, sk, sv, start, rows, width)
-        finally:
-            if wide:
-                torch.set_num_threads(threads)
         return x.view(rows, width, c.hidden)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,9 @@ key is a hash of the model fingerprint, the instruction's ids and the passage's 
 passages' states are placed one after another behind the instruction's, each key re-rotated by RoPE to its new
 position (``k' = R(delta) k``: rotations compose), and only the question is prefilled. A passage then attends
 to the instruction and to itself but not to the passages placed before it, so this is an approximation of a
-full prefill (CacheBlend's setting without its recomputed tokens); its accuracy is measured by
-``cagflow bench answers`` (bench/README "Reused passage states"), and ``model.passage_kv: prefill`` turns it off.
+full prefill (CacheBlend's setting without its recomputed tokens). ``model.passage_kv_recompute`` trailing
+passages are prefilled in context instead, behind the others' states; accuracy is measured by ``cagflow bench
+passages`` (bench/README "Reused passage states"), and ``model.passage_kv: prefill`` turns reuse off.
 """
 
 from __future__ import annotations
@@ -59,13 +60,14 @@ class PassageStates:
     in memory up to ``max_bytes`` (least recently used first out)."""
 
     def __init__(self, fast: FastLM, fingerprint: str, max_bytes: int,
-                 load: Callable[[str], PrefixKV | None] | None = None):
+                 load: Callable[[str], PrefixKV | None] | None = None, recompute_last: int = 0):
         if float(fast.cos[0].abs().max()) != 1.0 or float(fast.sin[0].abs().max()) != 0.0:
             raise ValueError("passage states need plain RoPE (position 0 must be the identity rotation)")
         self.fast = fast
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
         self._load = load
+        self.recompute_last = recompute_last  # trailing passages prefilled in context, behind the others' states
         self._kept: OrderedDict[str, PrefixKV] = OrderedDict()
         self._kept_bytes = 0
         self._lock = threading.Lock()
@@ -116,12 +118,14 @@ class PassageStates:
 
     def compose(self, layout: PassageLayout) -> tuple[PrefixKV, int]:
         """The prefix K/V of ``layout`` (instruction, then every passage) and how many of its tokens were
-        reused rather than computed for this request."""
+        reused rather than computed for this request. The last ``recompute_last`` passages are prefilled
+        behind the others' states, so they attend to every passage before them as in a full prefill."""
         header_state, header_reused = self.state([], layout.header)
         parts = [header_state]
         reused = len(layout.header) if header_reused else 0
         position = len(layout.header)
-        for piece in layout.pieces:
+        placed = max(0, len(layout.pieces) - self.recompute_last)
+        for piece in layout.pieces[:placed]:
             (keys, values), was_reused = self.state(layout.header, piece)
             shift = position - len(layout.header)
             if shift:
@@ -131,5 +135,7 @@ class PassageStates:
             reused += len(piece) if was_reused else 0
             position += len(piece)
         layers = len(header_state[0])
-        return ([torch.cat([part[0][i] for part in parts], dim=1) for i in range(layers)],
-                [torch.cat([part[1][i] for part in parts], dim=1) for i in range(layers)]), reused
+        composed = ([torch.cat([part[0][i] for part in parts], dim=1) for i in range(layers)],
+                    [torch.cat([part[1][i] for part in parts], dim=1) for i in range(layers)])
+        rest = [token for piece in layout.pieces[placed:] for token in piece]
+        return (self.fast.prefill_prefix(rest, after=composed) if rest else composed), reused

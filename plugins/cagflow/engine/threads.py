@@ -9,7 +9,11 @@ this process may use are busy right now. Results do not depend on the thread cou
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 _LOADAVG = Path("/proc/loadavg")
 
@@ -28,3 +32,17 @@ def idle_cores() -> int:
     except (OSError, ValueError, IndexError):
         return 1
     return max(1, usable_cores() - max(0, running - 1))
+
+
+@contextmanager
+def at_least_threads(wanted: int) -> Iterator[None]:
+    """Run the block with ``wanted`` OpenMP threads on the calling thread when that is more than its count."""
+    threads = torch.get_num_threads()
+    if wanted <= threads:
+        yield
+        return
+    torch.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

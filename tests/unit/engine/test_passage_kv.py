@@ -79,6 +79,24 @@ def test_one_passage_composed_is_the_prefilled_prefix(reusing_engine):
     assert reusing_engine.passage_states.compose(layout)[1] == layout.n_tokens
 
 
+def test_trailing_passages_are_prefilled_in_context(reusing_engine):
+    """``recompute_last``: the last passages are prefilled behind the others' placed states, so they attend to
+    them as in a full prefill; the passages before them are placed as before."""
+    fast, states = reusing_engine.fast, reusing_engine.passage_states
+    layout = reusing_engine.prompts.passage_layout(PASSAGES[:2], "Which port?")
+    (placed_keys, placed_values), _ = states.compose(layout)
+    states.recompute_last = 1
+    (keys, values), reused = states.compose(layout)
+    placed = len(layout.header) + len(layout.pieces[0])
+    assert reused == placed and keys[0].shape == placed_keys[0].shape
+    assert all(torch.equal(ours[:, :placed], theirs[:, :placed])
+               for ours, theirs in zip(keys + values, placed_keys + placed_values))
+    expected_keys, _ = fast.prefill_prefix(layout.pieces[1], after=([k[:, :placed] for k in placed_keys],
+                                                                    [v[:, :placed] for v in placed_values]))
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(keys, expected_keys))
+    assert not torch.equal(keys[-1][:, placed:], placed_keys[-1][:, placed:])  # not its state computed alone
+
+
 def test_kept_states_stay_within_their_memory_bound(tiny_model):
     engine = Engine(tiny_model, max_context_tokens=4096, max_new_tokens=4)
     header = engine.prompts.encode("Read this.")
