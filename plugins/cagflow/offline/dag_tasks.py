@@ -40,13 +40,13 @@ def ingest_documents(tier: str):
         return pipeline.index_chunks(embedded, tier, remove_unlisted=not params.get("doc_ids"), documents=parsed)
 
     @task
-    def precompute_passage_states(chunks):
-        return pipeline.precompute_passages(chunks)
+    def precompute_passage_states():
+        return pipeline.precompute_indexed_passages(tier)
 
     parsed = parse(load_manifest())
     chunks = chunk(parsed)
     embedded = embed(chunks)
     validate_chunks(parsed, chunks) >> embedded
     indexed = index(embedded, parsed)
-    indexed >> precompute_passage_states(chunks)
+    indexed >> precompute_passage_states()
     return indexed

@@ -68,6 +68,18 @@ def precompute_passages(chunks: Sequence[dict], config: Config | None = None) ->
     return {**counts, "tokens_per_s": round(rate, 1)}
 
 
+def precompute_indexed_passages(tier: str, config: Config | None = None) -> dict:
+    """``precompute_passages`` over every chunk of ``tier`` the index holds, not only the run's changed ones:
+    an incremental run skips unchanged documents, yet their states may be missing (states switched on later, a
+    new model, a state deleted)."""
+    config = resolve_config(config)
+    if tier not in config.ingest.passage_state_tiers or config.model.passage_kv != "reuse":
+        return {"computed": 0, "present": 0, "tokens": 0, "tokens_per_s": 0.0}
+    with chunk_index(config) as index:
+        chunks = [{"text": c.text, "title": c.title, "section": c.section, "tier": tier} for c in index.scan(tier)]
+    return precompute_passages(chunks, config)
+
+
 def live_passage_objects(chunks: Iterable[dict], config: Config) -> set[str]:
     """The store objects of the states of ``chunks`` for the configured model (its tokenizer only is loaded)."""
     from transformers import AutoTokenizer

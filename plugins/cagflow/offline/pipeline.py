@@ -24,7 +24,7 @@ import numpy as np
 
 from ..config import Config
 from .connections import chunk_index, resolve_config
-from .passage_steps import precompute_passages
+from .passage_steps import precompute_indexed_passages
 from .release_steps import publish_fixed_release, request_serving_reload
 from .snapshot_steps import check_snapshots, plan_snapshot_parts, precompute_snapshot
 
@@ -219,7 +219,7 @@ def run_fixed_pipeline(config: Config) -> dict:
     chunks = chunk_documents(parsed, config)
     check_chunks(parsed, chunks, config)
     index_chunks(embed_chunks(chunks), "fixed", remove_unlisted=False, config=config, documents=parsed)
-    precompute_passages(chunks, config)
+    precompute_indexed_passages("fixed", config)
     parts = plan_snapshot_parts(config=config)
     results = [precompute_snapshot(part, config=config) for part in parts]
     if parts:
