@@ -224,43 +224,26 @@ def test_native_attention_matches_torch_reference():
     assert torch.equal(alone, out[1:2])
 
 
-@pytest.mark.skipif("native" not in BACKENDS, reason="native kernels unavailable")
-def test_native_matmul_rows_independent_and_close_to_int8pack():
+@pytest.mark.parametrize("kernel", [
+    pytest.param("mm_int8", marks=pytest.mark.skipif("native" not in BACKENDS, reason="native kernels unavailable")),
+    pytest.param("mm_int8_amx", marks=pytest.mark.skipif(not kernels.amx_ready(), reason="no AMX-BF16 here"))])
+def test_native_matmuls_rows_independent_and_close_to_int8pack(kernel):
     k = kernels.native_kernels()
     torch.manual_seed(0)
-    w, s = weights_file.quantize_rows(torch.randn(300, 96))  # 300: not a multiple of the 16-channel blocks
+    w, s = weights_file.quantize_rows(torch.randn(300, 320))  # 300: an odd number of 16-channel blocks
     packed = k.pack_int8(w)
-    x = torch.randn(21, 96).bfloat16()
-    y = k.mm_int8(x, packed, s)
+    x = torch.randn(70, 320).bfloat16()  # AMX: more than two tiles of 32 rows, the last one partial
+    y = getattr(k, kernel)(x, packed, s)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            for a, b in [(0, 1), (2, 3), (1, 3), (1, 6), (0, 9), (4, 21)]:
-                assert torch.equal(k.mm_int8(x[a:b].contiguous(), packed, s), y[a:b])
+            for a, b in [(0, 1), (2, 3), (1, 6), (1, 17), (0, 32), (5, 40), (31, 70)]:
+                assert torch.equal(getattr(k, kernel)(x[a:b].contiguous(), packed, s), y[a:b])
     finally:
         torch.set_num_threads(threads)
     ref = torch.ops.aten._weight_int8pack_mm(x, w, s)
     torch.testing.assert_close(y.float(), ref.float(), atol=0.02, rtol=0.01)
-
-
-@pytest.mark.skipif(not kernels.amx_ready(), reason="no AMX-BF16 on this CPU")
-def test_amx_matmul_rows_independent_and_close_to_mm_int8():
-    k = kernels.native_kernels()
-    torch.manual_seed(0)
-    w, s = weights_file.quantize_rows(torch.randn(300, 320))  # an odd number of 16-channel blocks
-    packed = k.pack_int8(w)
-    x = torch.randn(70, 320).bfloat16()  # more than two tiles of 32 rows, the last one partial
-    y = k.mm_int8_amx(x, packed, s)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            for a, b in [(0, 1), (2, 3), (1, 17), (0, 32), (5, 40), (31, 70)]:
-                assert torch.equal(k.mm_int8_amx(x[a:b].contiguous(), packed, s), y[a:b])
-    finally:
-        torch.set_num_threads(threads)
-    torch.testing.assert_close(y.float(), k.mm_int8(x, packed, s).float(), atol=0.02, rtol=0.01)
 
 
 def test_int8pack_rows_independent_of_batch_and_threads():
