@@ -300,9 +300,9 @@ class ModelConfig(_Section):
     # log). fp32: the reference, ~5x slower. A snapshot belongs to one precision (it is in the fingerprint).
     precision: Literal["int8", "fp32"] = "int8"
     threads: int = Field(1, ge=0)  # torch threads per process; 0 = torch default. See README "Thread policy"
-    # A prefill block (8+ tokens a row: question, passages, snapshot) also takes the cores that are idle when it
-    # starts (Linux's runnable-task count); decoding keeps ``threads``. Results do not depend on it.
-    idle_core_prefill: bool = True
+    # Each block (a prefill block of the question, passages or snapshot, or one decode step) also takes the cores
+    # that are idle when it starts (Linux's runnable-task count). Results do not depend on it.
+    idle_cores: bool = True
     relevance: RelevanceConfig = RelevanceConfig()
     # The retrieval route's passages: "reuse" places each passage's K/V, computed once (by the ingest DAG or on
     # first use) and re-rotated to its position, so only the question is prefilled; "prefill" computes them

@@ -91,8 +91,8 @@ class Engine:
         engine = cls(load_model(model.path, model.threads, model.precision), model.max_context_tokens,
                      model.max_new_tokens, model.question_budget_tokens, model.relevance, disabled_rules,
                      model.focus_tokens)
-        if model.idle_core_prefill and engine.fast is not None:
-            engine.fast.prefill_threads = idle_cores
+        if model.idle_cores and engine.fast is not None:
+            engine.fast.block_threads = idle_cores
         if model.passage_kv == "reuse" and engine.fast is not None:
             load = (lambda key: stored_passage(engine.fingerprint, key)) if stored_passage is not None else None
             engine.passage_states = PassageStates(engine.fast, engine.fingerprint,

@@ -41,7 +41,7 @@ live in ``kernels``, the configuration and recipe names in ``lm_config``.
 Entry points: ``FastLM.from_pretrained(folder)``, ``FastLM.load(folder, weights_file)``, ``prefill_prefix(ids)``,
 ``steps(prefix, [ids, ...], n)`` (greedy tokens step by step, for streams and batches), ``answer(prefix, ids,
 n)``, ``answer_batch``, ``answer_full(ids, prefix_len, n)``, ``logits(prefix, ids)``. Threads: the caller sets
-``torch.set_num_threads``; ``prefill_threads`` may widen prefill blocks (README "Thread policy").
+``torch.set_num_threads``; ``block_threads`` may widen each block (README "Thread policy").
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ class FastLM:
             raise ValueError(f"matmul f32 needs MKL's strict reproducible mode: {MKL_STRICT_ERROR}")
         self.matmul = matmul
         self._native_mm = matmul in ("native", "amx")
-        # threads for a prefill block (AMX_MIN_WIDTH tokens a row or more): None keeps the caller's count
-        self.prefill_threads: Callable[[], int] | None = None
+        # threads for each block (a prefill block or one decode step), asked as it starts: None keeps the caller's
+        self.block_threads: Callable[[], int] | None = None
         self.cos, self.sin = rope
         self.scaling = config.head_dim ** -0.5
         if prepared:
@@ -260,8 +260,7 @@ class FastLM:
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
         pk, pv = prefix if prefix is not None else ([], [])
-        wanted = self.prefill_threads() if width >= AMX_MIN_WIDTH and self.prefill_threads is not None else 0
-        with at_least_threads(wanted):
+        with at_least_threads(self.block_threads() if self.block_threads is not None else 0):
             if self._k is not None:
                 kernel = 2 if self.matmul == "amx" and width >= AMX_MIN_WIDTH else 1  # mm_int8_amx or mm_int8
                 self._k.run_layers(x, self._flat, cos, sin, pk, pv, sk, sv, start, rows, width, c.kv_heads,

@@ -1,7 +1,8 @@
-"""Threads for a prefill: the configured count, or more when other cores sit idle as the prefill starts.
+"""Threads for a block: the configured count, or more when other cores sit idle as the block starts.
 
 Serving runs one thread per request (README "Thread policy"): two OpenMP threads stall when another task
-takes the second core. A prefill block lasts a fraction of a second, so it can look at the machine first:
+takes the second core. A prefill block or a decode step lasts a fraction of a second, so it can look at the
+machine first, and the next one looks again:
 Linux's count of runnable tasks (``/proc/loadavg``, the calling thread included) says how many of the cores
 this process may use are busy right now. Results do not depend on the thread count, so this changes time only.
 """

@@ -38,14 +38,18 @@ MAX_NEW_TOKENS = 4096
 
 
 class ApiError(CagflowError):
-    """An error the client is told about as ``{"error": {"code", "message"}, "request_id"}``."""
+    """An error the client is told about as ``{"error": {"code", "message"}, "request_id"}``; ``param`` names
+    the request field it is about, for the OpenAI-shaped errors of ``openai_compat`` (which map our fields to
+    theirs)."""
 
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None,
+                 param: str | None = None):
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.headers = headers or {}
+        self.param = param
 
 
 def request_id_from(header: str | None) -> str:
@@ -208,8 +212,8 @@ class Query:
     route: str = "auto"
 
 
-def _invalid(message: str) -> ApiError:
-    return ApiError(400, "invalid_request", message)
+def _invalid(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, "invalid_request", message, param=param)
 
 
 def _optional_int(body: dict[str, Any], name: str, upper: int) -> int | None:
@@ -217,9 +221,9 @@ def _optional_int(body: dict[str, Any], name: str, upper: int) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):  # bool is an int subclass in Python
-        raise _invalid(f"{name} must be an integer or null, got {type(value).__name__}")
+        raise _invalid(f"{name} must be an integer or null, got {type(value).__name__}", name)
     if not 1 <= value <= upper:
-        raise _invalid(f"{name} must be between 1 and {upper}, got {value}")
+        raise _invalid(f"{name} must be between 1 and {upper}, got {value}", name)
     return value
 
 
@@ -228,9 +232,9 @@ def _clean_text(value: str, name: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise _invalid(f"{name} contains invalid unicode (a lone surrogate)") from None
+        raise _invalid(f"{name} contains invalid unicode (a lone surrogate)", name) from None
     if any(ord(char) < 32 and char not in "\t\n\r" or ord(char) == 127 for char in value):
-        raise _invalid(f"{name} contains control characters")
+        raise _invalid(f"{name} contains control characters", name)
     return value
 
 
@@ -243,24 +247,25 @@ def parse_query(body: Any, limits: ServiceConfig) -> Query:
         raise _invalid(f"unknown fields: {', '.join(unknown)} (allowed: {', '.join(sorted(QUERY_FIELDS))})")
     question = body.get("question")
     if not isinstance(question, str):
-        raise _invalid("question is required and must be a string")
+        raise _invalid("question is required and must be a string", "question")
     question = _clean_text(question, "question").strip()
     if not any(char.isalnum() for char in question):  # empty, or only spaces, punctuation, invisible marks
-        raise _invalid("question is empty (it has no letters or digits)")
+        raise _invalid("question is empty (it has no letters or digits)", "question")
     if len(question) > limits.max_question_chars:
-        raise _invalid(f"question has {len(question)} characters, more than the limit of {limits.max_question_chars}")
+        raise _invalid(f"question has {len(question)} characters, more than the limit of {limits.max_question_chars}",
+                       "question")
     doc_id = body.get("doc_id")
     if doc_id is not None:
         try:
             validate_doc_id(doc_id)
         except ValueError as exc:
-            raise _invalid(str(exc)) from None
+            raise _invalid(str(exc), "doc_id") from None
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise _invalid(f"stream must be true or false, got {type(stream).__name__}")
+        raise _invalid(f"stream must be true or false, got {type(stream).__name__}", "stream")
     route = body.get("route", "auto")
     if route not in ROUTES:
-        raise _invalid(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
+        raise _invalid(f"route must be one of {', '.join(ROUTES)}, got {route!r}", "route")
     return Query(question=question, doc_id=doc_id, top_k=_optional_int(body, "top_k", MAX_TOP_K),
                  max_new_tokens=_optional_int(body, "max_new_tokens", MAX_NEW_TOKENS), stream=stream, route=route)
 

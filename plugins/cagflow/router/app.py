@@ -1,10 +1,11 @@
 """The REST API: ``POST /v1/query``, ``GET /v1/releases``, ``POST /admin/reload``, ``GET /healthz``,
-``GET /readyz`` and ``GET /metrics``.
+``GET /readyz``, ``GET /metrics`` and ``GET /openapi.json``; and for OpenAI's clients
+``POST /v1/chat/completions`` and ``GET /v1/models`` (``openai_compat``).
 
 Every response carries ``X-Request-ID`` (the caller's, when it is a safe token, else a fresh one) and
-every error is ``{"error": {"code", "message"}, "request_id"}``: never HTML, never a stack trace. Each
-request writes one JSON log line (request id, key id, route, cache hit, snapshot key, fallback reason,
-timings, status); the key itself is never logged. Every ``/admin/*`` request, done or refused, also writes
+every error is ``{"error": {"code", "message"}, "request_id"}`` (OpenAI's shape on its endpoints): never
+HTML, never a stack trace. Each request writes one JSON log line (request id, key id, route, cache hit,
+snapshot key, fallback reason, timings, status); the key itself is never logged. Every ``/admin/*`` request, done or refused, also writes
 an audit event (``audit``). Admission (``admission``), the endpoints (``handlers``) and the error bodies
 (``errors``) each have their module; this one puts them together.
 """
@@ -23,6 +24,7 @@ from .admission import Admission, access_log
 from .apikeys import ApiKeyStore
 from .audit import AuditLog
 from .handlers import EXTENSION, Dependencies, api
+from .openai_compat import openai_api
 from .routing import Router
 
 log = logging.getLogger("cagflow.router")
@@ -56,8 +58,9 @@ def create_app(config: Config | None = None, *, router: Router | None = None,
     app = Flask("cagflow.router")
     app.config["MAX_CONTENT_LENGTH"] = service.max_body_bytes
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False  # Flask's own OPTIONS reply is an empty text/html 200: a JSON 405
-    app.extensions[EXTENSION] = Dependencies(router, admission, service)
+    app.extensions[EXTENSION] = Dependencies(router, admission, service, config.model)
     admission.install(app)
     errors.register(app)
     app.register_blueprint(api)
+    app.register_blueprint(openai_api)
     return app

@@ -405,21 +405,24 @@ def test_prepared_weights_are_written_once_per_model_and_recipe(tiny_model, tmp_
     assert sorted(p.name for p in second.parent.iterdir() if not p.name.startswith(".")) == [second.name]
 
 
-def test_prefill_threads_change_time_only(tiny):
-    """A prefill block may take idle cores (``prefill_threads``): same bits, and the caller's thread count is
-    back afterwards; decoding steps keep the caller's count."""
+def test_block_threads_change_time_only(tiny):
+    """Every block, prefill or decode step, may take idle cores (``block_threads``): same bits, asked once
+    per block and never from inside one, and the caller's thread count is back afterwards."""
     lm, _ = tiny
     prefix_ids, question = _ids(300, 7), _ids(12, 8)
     expected = lm.answer(lm.prefill_prefix(prefix_ids), question, 6, eos_token_ids=[]).tokens
     threads = torch.get_num_threads()
     seen = []
-    lm.prefill_threads = lambda: seen.append(torch.get_num_threads()) or threads + 1
+    lm.block_threads = lambda: seen.append(torch.get_num_threads()) or threads + 1
     try:
-        assert lm.answer(lm.prefill_prefix(prefix_ids), question, 6, eos_token_ids=[]).tokens == expected
+        prefix = lm.prefill_prefix(prefix_ids)
+        prefill_blocks = len(seen)
+        assert lm.answer(prefix, question, 6, eos_token_ids=[]).tokens == expected
     finally:
-        lm.prefill_threads = None
+        lm.block_threads = None
     assert torch.get_num_threads() == threads
-    assert seen and set(seen) == {threads}  # asked once per wide block, never from inside one
+    assert prefill_blocks >= 1 and len(seen) == prefill_blocks + 6  # the question's block, then 5 decode steps
+    assert set(seen) == {threads}
 
 
 def test_idle_cores_reads_the_runnable_count(monkeypatch, tmp_path):
