@@ -19,6 +19,7 @@ BENCHMARKS = {
     "load": "many clients at once through the running API, and the servers' memory (exit 1 on an unintended error)",
     "faults": "faults injected into a stack of its own on 127.0.0.1 while requests are in flight (exit 1 when a "
               "scenario does not hold)",
+    "plot": "time to first token per route against prompt tokens, from saved `answers --dataset` results",
 }
 
 
@@ -129,8 +130,14 @@ def _add_faults(faults: argparse.ArgumentParser) -> None:
     faults.add_argument("--max-new-tokens", type=int, help="per answer (default 24)")
 
 
+def _add_plot(plot: argparse.ArgumentParser) -> None:
+    plot.add_argument("results", nargs="+", metavar="RESULT_JSON",
+                      help="result files of `cagflow bench answers --dataset` (bench/results/answers-*.json)")
+    plot.add_argument("--out", default="bench/ttft-per-route.png", help="the image (default: %(default)s)")
+
+
 OPTIONS = {"engine": _add_engine, "answers": _add_answers, "passages": _add_passages, "load": _add_load,
-           "faults": _add_faults}
+           "faults": _add_faults, "plot": _add_plot}
 
 
 def add_bench(commands: argparse._SubParsersAction) -> None:
