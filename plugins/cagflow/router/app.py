@@ -5,9 +5,10 @@
 Every response carries ``X-Request-ID`` (the caller's, when it is a safe token, else a fresh one) and
 every error is ``{"error": {"code", "message"}, "request_id"}`` (OpenAI's shape on its endpoints): never
 HTML, never a stack trace. Each request writes one JSON log line (request id, key id, route, cache hit,
-snapshot key, fallback reason, timings, status); the key itself is never logged. Every ``/admin/*`` request, done or refused, also writes
-an audit event (``audit``). Admission (``admission``), the endpoints (``handlers``) and the error bodies
-(``errors``) each have their module; this one puts them together.
+snapshot key, fallback reason, timings, status); the key itself is never logged. Every ``/admin/*``
+request, done or refused, also writes an audit event (``audit``). Admission (``admission``), the endpoints
+(``handlers``, ``openai_compat``) and the error bodies (``errors``) each have their module; this one puts
+them together.
 """
 
 from __future__ import annotations
