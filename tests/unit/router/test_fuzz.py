@@ -1,8 +1,9 @@
-"""A fuzz pass over the REST layer: Hypothesis sends `POST /v1/query`, the admin endpoints, and any method
-on any path, with JSON bodies (near-valid and garbage: wrong types, huge strings, Chinese, NUL bytes, lone
-surrogates, deep nesting), raw non-JSON bytes, and odd headers (content types, missing or bad API keys,
-huge values). Whatever arrives, the answer is never a 5xx (but for the intended 503 while the backend is
-down), never HTML, never a stack trace, and every 4xx/5xx is the JSON error body.
+"""A fuzz pass over the REST layer: Hypothesis sends `POST /v1/query`, the OpenAI-compatible endpoints, the
+admin endpoints, and any method on any path, with JSON bodies (near-valid and garbage: wrong types, huge
+strings, Chinese, NUL bytes, lone surrogates, deep nesting), raw non-JSON bytes, and odd headers (content
+types, missing or bad API keys, huge values). Whatever arrives, the answer is never a 5xx (but for the
+intended 503 while the backend is down), never HTML, never a stack trace, and every 4xx/5xx is the JSON error
+body (OpenAI's shape on its endpoints).
 
 The application is the real one (``create_app``); routing is the in-memory stand-in of test_app.py, which
 can be switched to "backend down" per request. ``pytest --hypothesis-show-statistics`` shows which answers
@@ -17,6 +18,8 @@ from pathlib import Path
 import pytest
 from cagflow.router.access import MAX_NEW_TOKENS, MAX_TOP_K, ROUTES
 from cagflow.router.apikeys import ApiKeyStore
+from cagflow.router.chat_requests import ALIAS, IGNORED, UNSUPPORTED
+from cagflow.router.errors import OPENAI_PATHS
 from cagflow.router.failures import triton_failure
 from cagflow.router.triton_client import TritonUnavailable
 from hypothesis import HealthCheck, event, example, given, settings
@@ -114,6 +117,25 @@ query_objects = st.builds(lambda known, extra: {**extra, **known}, st.fixed_dict
     "stream": mostly(st.booleans(), garbage),
     "route": mostly(st.sampled_from(ROUTES), garbage),
 }), mostly(st.just({}), st.dictionaries(texts, json_values, min_size=1, max_size=2)))
+chat_messages = st.lists(st.fixed_dictionaries({
+    "role": mostly(st.sampled_from(["user", "system", "assistant", "developer"]), garbage),
+    "content": mostly(st.sampled_from(["Which port does the web console use?", "网关的默认端口是多少？"]) | chinese
+                      | st.just([{"type": "text", "text": "Which port?"}]), garbage),
+}), min_size=1, max_size=3)
+chat_objects = st.builds(lambda known, other, extra: {**extra, **other, **known}, st.fixed_dictionaries({
+    "model": mostly(st.sampled_from([ALIAS, "qwen2.5-coder-1.5b"]), garbage),
+    "messages": mostly(chat_messages.map(lambda messages: [*messages, {"role": "user", "content": "Which port?"}]),
+                       chat_messages | garbage),
+}, optional={
+    "stream": mostly(st.booleans(), garbage),
+    "stream_options": mostly(st.just({"include_usage": True}), garbage),
+    "max_tokens": mostly(st.integers(1, MAX_NEW_TOKENS) | st.none(), st.integers() | garbage),
+    "max_completion_tokens": mostly(st.integers(1, MAX_NEW_TOKENS) | st.none(), st.integers() | garbage),
+    "cagflow": mostly(st.fixed_dictionaries({}, optional={"doc_id": st.sampled_from(["doc", None]),
+                                                          "top_k": st.integers(1, MAX_TOP_K),
+                                                          "route": st.sampled_from(ROUTES)}), garbage),
+}), st.dictionaries(st.sampled_from([*IGNORED, *UNSUPPORTED]), mostly(st.none(), garbage), max_size=2),
+    mostly(st.just({}), st.dictionaries(texts, json_values, min_size=1, max_size=2)))
 reload_objects = st.one_of(st.just({}), st.fixed_dictionaries({"release_id": mostly(
     st.sampled_from(["R0", "20261202T101500Z-1a2b3c4d", None]), garbage)}))
 
@@ -138,6 +160,7 @@ anything = st.one_of(
     st.builds(lambda depth: b'{"question": "q", "route": ' + b"[" * depth + b"]" * depth + b"}", st.integers(1, 2000)),
 )
 query_bodies = mostly(st.builds(_encoded, query_objects, st.booleans()), anything)
+chat_bodies = mostly(st.builds(_encoded, chat_objects, st.booleans()), anything)
 reload_bodies = mostly(st.just(b"") | st.builds(_encoded, reload_objects, st.booleans()), anything)
 
 json_types = st.sampled_from(["application/json", "application/json; charset=utf-8", "application/JSON",
@@ -180,6 +203,10 @@ def assert_well_formed(response, down: bool) -> None:
     assert status < 500 or (down and status == 503), (status, text[:500])
     if response.request.method == "HEAD":
         assert text == "" and (status < 400 or response.mimetype == "application/json")
+    elif status >= 400 and response.request.path.startswith(OPENAI_PATHS):
+        body = response.get_json()
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+        assert body["error"]["message"] and body["error"]["code"] and response.headers["X-Request-ID"]
     elif status >= 400 and not (status == 503 and response.request.path == "/readyz"):  # that 503 is the report
         app_tests.assert_json_error(response, status)
     elif response.mimetype == "application/json":
@@ -194,8 +221,16 @@ def test_fuzz_query(fuzzed, body, sent_headers, down):
     assert_well_formed(_send(fuzzed, "POST", "/v1/query", body, sent_headers, down), down)
 
 
+@FUZZ
+@given(body=chat_bodies, sent_headers=headers, down=st.booleans())
+def test_fuzz_chat_completions(fuzzed, body, sent_headers, down):
+    assert_well_formed(_send(fuzzed, "POST", "/v1/chat/completions", body, sent_headers, down), down)
+
+
 @pytest.mark.parametrize("method, path, bodies", [("POST", "/admin/reload", reload_bodies),
-                                                  ("GET", "/v1/releases", anything)], ids=["reload", "releases"])
+                                                  ("GET", "/v1/releases", anything), ("GET", "/v1/models", anything),
+                                                  ("GET", "/v1/models/cagflow", anything)],
+                         ids=["reload", "releases", "models", "model"])
 @FUZZ
 @given(data=st.data(), sent_headers=headers, down=st.booleans(),
        other_method=st.sampled_from(["GET", "POST", "PUT", "DELETE"]))
@@ -208,7 +243,8 @@ def test_fuzz_admin_endpoints(fuzzed, method, path, bodies, data, sent_headers, 
 @FUZZ
 @given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE", "FOO"]),
        path=st.one_of(st.sampled_from(["/v1/query", "/admin/reload", "/healthz", "/readyz", "/metrics", "/",
-                                       "/v1/query/", "/admin/", "/v1/releases?x=1"]),
+                                       "/v1/query/", "/admin/", "/v1/releases?x=1", "/v1/chat/completions",
+                                       "/v1/models/", "/v1/models/%00", "/openapi.json"]),
                       st.text(st.characters(min_codepoint=33, max_codepoint=0x10FFFF, exclude_categories=["Cs"]),
                               max_size=40).map("/{}".format)),
        body=anything, sent_headers=headers, down=st.booleans())
