@@ -14,7 +14,6 @@ from importlib import resources
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import yaml
-
 from flask import Blueprint, Response, current_app, g, request, stream_with_context
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
