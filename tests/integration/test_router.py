@@ -207,6 +207,39 @@ def test_out_of_scope_question_is_answered_by_retrieval_with_citations(router, k
     assert answer["timings_ms"]["search"] > 0
 
 
+def test_the_openai_package_asks_the_real_router(router, keys):
+    """The official openai client, as a user calls it: a retrieval answer with its passages, then a streamed
+    cache-route answer, each with the /v1/query record as its extra ``cagflow`` object."""
+    import openai
+    from cagflow.router.handlers import openapi_document
+    from openapi_schema_validator import OAS31Validator
+
+    client = openai.OpenAI(base_url=f"{router[0]}/v1", api_key=keys[1]["Authorization"].split()[1], max_retries=0)
+    served = [model.id for model in client.models.list()]
+    raw = client.chat.completions.with_raw_response.create(
+        model="cagflow", messages=[{"role": "user", "content": OUT_OF_SCOPE}], max_completion_tokens=MAX_NEW_TOKENS,
+        extra_body={"cagflow": {"top_k": 3}})
+    OAS31Validator({"$ref": "#/components/schemas/ChatCompletion",
+                    "components": openapi_document()["components"]}).validate(raw.http_response.json())
+    completion = raw.parse()
+    record = completion.model_extra["cagflow"]
+    assert completion.model == served[0] and "cagflow" in served and set(record) <= ANSWER_FIELDS | {"model_answer"}
+    assert completion.choices[0].message.content == record["answer"] and record["route"] == "retrieval"
+    assert completion.usage.prompt_tokens == record["tokens"]["prompt"] > 0
+    passages = record["citations"] if record["answered"] else record["suggestions"]  # the tiny model may decline
+    assert len(passages) == 3 and passages[0]["doc_id"] == VARIABLE_DOC
+    chunks = list(client.chat.completions.create(
+        model="cagflow", messages=[{"role": "user", "content": IN_SCOPE[0]}], max_completion_tokens=MAX_NEW_TOKENS,
+        stream=True, extra_body={"cagflow": {"route": "cache"}}))
+    [final] = [chunk for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
+    record = final.model_extra["cagflow"]
+    assert chunks[-1] is final and record["route"] == "cache" and record["snapshot"]["doc_id"] == IN_SCOPE[1]
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    assert final.choices[0].finish_reason == "content_filter" or text.strip() == record["answer"]
+    if record["answered"]:
+        assert [citation["doc_id"] for citation in record["citations"]] == [IN_SCOPE[1]]
+
+
 def test_an_alarm_only_a_release_note_names_goes_to_retrieval(router, keys):
     """The question reads like the Chinese manual's alarm section (its closest chunk), but YF-E116 is only in
     the 3.2.0 release notes: the manual's snapshot could not answer it."""
