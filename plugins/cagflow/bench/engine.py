@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -101,10 +101,13 @@ def _load_speed(snapshot: Snapshot, runs: int) -> dict:
     return {"bytes": size, "raw_read_mb_s": size / raw_s / 1e6, "load_mb_s": size / load_s / 1e6}
 
 
-def _peer_cases(engine: Engine, snapshots: dict[int, Snapshot]) -> list[dict]:
-    """The same token ids for llama.cpp: the document prefix it saves and restores, then the question."""
+def _peer_cases(engine: Engine, snapshots: dict[int, Snapshot], corpus_dir: Path) -> list[dict]:
+    """The same token ids for llama.cpp: the document prefix it saves and restores, then the question; and
+    the retrieval route's whole prompt, prefilled per request on both sides."""
     cases = [{"name": "question-only", "prefix_ids": [],
-              "question_ids": engine.prompts.tokenize(QUESTION_ONLY_SYSTEM, QUESTIONS[0]).ids}]
+              "question_ids": engine.prompts.tokenize(QUESTION_ONLY_SYSTEM, QUESTIONS[0]).ids},
+             {"name": "retrieval", "prefix_ids": [],
+              "question_ids": engine.prompt_ids(QUESTIONS[0], context=retrieval_passages(engine, corpus_dir))}]
     for tokens, snapshot in snapshots.items():
         prompt = engine.prompts.tokenize(snapshot.system_prompt, QUESTIONS[0], snapshot.prefix_token_ids)
         cases.append({"name": str(tokens), "prefix_ids": prompt.ids[:prompt.prefix_len],
@@ -119,7 +122,9 @@ def retrieval_passages(engine: Engine, corpus_dir: Path, tokens: int = RETRIEVAL
     return [Passage(" ".join(words[i * quarter:(i + 1) * quarter]), "Bench", f"Chunk {i + 1}") for i in range(4)]
 
 
-def measure(engine: Engine, corpus_dir: Path, runs: int) -> dict:
+def measure(engine: Engine, corpus_dir: Path, runs: int, document_tokens: Sequence[int] = DOCUMENT_TOKENS) -> dict:
+    """Question only, retrieval, a snapshot per document size, and batches over the ``BATCH_DOCUMENT_TOKENS``
+    snapshot when that size is among ``document_tokens``."""
     engine.answer("Warm up?", max_new_tokens=2)
     question_only = _median_of(runs, lambda: _timed(engine, None))
     passages = retrieval_passages(engine, corpus_dir)
@@ -131,22 +136,22 @@ def measure(engine: Engine, corpus_dir: Path, runs: int) -> dict:
     retrieval = _median_of(runs, retrieval_first_token)
     rows = []
     snapshots = {}
-    for tokens in DOCUMENT_TOKENS:
+    for tokens in document_tokens:
         print(f"measuring a {tokens}-token document...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         snapshot = engine.precompute(synthetic_part(engine, corpus_dir, tokens))
         precompute_s = time.perf_counter() - started
         snapshots[tokens] = snapshot
         hit = _median_of(runs, lambda: _timed(engine, snapshot))
-        rows.append({"document_tokens": snapshot.n_tokens, "precompute_s": precompute_s,
+        rows.append({"requested_tokens": tokens, "document_tokens": snapshot.n_tokens, "precompute_s": precompute_s,
                      "ttft_full_s": engine.answer(QUESTIONS[0], snapshot=snapshot, max_new_tokens=1,
                                                   reuse_cache=False).ttft_s,  # one run: seconds long and stable
                      **{f"hit_{name}": value for name, value in hit.items()},
                      "snapshot_bytes_per_token": snapshot.nbytes / snapshot.n_tokens,
                      **_load_speed(snapshot, runs)})
-    batch_snapshot = snapshots[BATCH_DOCUMENT_TOKENS]
+    batch_snapshot = snapshots.get(BATCH_DOCUMENT_TOKENS)
     batches = []
-    for size in BATCH_SIZES:
+    for size in BATCH_SIZES if batch_snapshot is not None else ():
         print(f"measuring {size} concurrent questions...", file=sys.stderr, flush=True)
         timings = []
         for _ in range(runs):
@@ -156,7 +161,8 @@ def measure(engine: Engine, corpus_dir: Path, runs: int) -> dict:
         seconds, tokens = sorted(timings)[len(timings) // 2]
         batches.append({"questions": size, "answers_per_s": size / seconds, "tokens_per_s": tokens / seconds,
                         "seconds": seconds})
-    return {"question_only": question_only, "retrieval": retrieval, "documents": rows, "batch_document_tokens": batch_snapshot.n_tokens,
+    return {"question_only": question_only, "retrieval": retrieval, "documents": rows,
+            "batch_document_tokens": batch_snapshot.n_tokens if batch_snapshot is not None else None,
             "batch_new_tokens": BATCH_NEW_TOKENS, "batches": batches, "snapshots": snapshots}
 
 
@@ -220,26 +226,34 @@ def print_table(report: dict) -> None:
               f"after the document and restored per answer:")
         print(f"{'doc tokens':>10} {'restore ms':>10} {'TTFT ms':>8} {'decode tok/s':>12} {'answer s':>8} "
               f"{'state MB':>8} {'ours faster':>11}")
-        ours = {"question-only": q["answer_s"], **{str(t): r["hit_answer_s"]
-                                                   for t, r in zip(DOCUMENT_TOKENS, report["documents"])}}
+        ours = {"question-only": q["answer_s"], **{str(row["requested_tokens"]): row["hit_answer_s"]
+                                                   for row in report["documents"]}}
         for case in peer["cases"]:
+            if case["name"] == "retrieval":
+                print(f"{'retrieval':>10} full prefill of {r['prompt_tokens']:.0f} tokens on both: TTFT ours "
+                      f"{r['ttft_s'] * 1000:.0f} ms, llama.cpp {case['ttft_s'] * 1000:.0f} ms, ours faster "
+                      f"{case['ttft_s'] / r['ttft_s']:.2f}x")
+                continue
             print(f"{case['name']:>10} {case['restore_s'] * 1000:>10.1f} {case['ttft_s'] * 1000:>8.0f} "
                   f"{case['decode_tok_s']:>12.1f} {case['answer_s']:>8.2f} {case['state_bytes'] / 1e6:>8.1f} "
                   f"{case['answer_s'] / ours[case['name']]:>10.2f}x")
     elif peer:
         print(f"llama.cpp: not measured ({peer['error']})")
-    print(f"{'questions':>10} {'answers/s':>11} {'tok/s':>10}   (one {report['batch_document_tokens']}-token snapshot, "
-          f"up to {report['batch_new_tokens']} new tokens each)")
+    if report["batches"]:
+        print(f"{'questions':>10} {'answers/s':>11} {'tok/s':>10}   (one {report['batch_document_tokens']}-token "
+              f"snapshot, up to {report['batch_new_tokens']} new tokens each)")
     for batch in report["batches"]:
         print(f"{batch['questions']:>10} {batch['answers_per_s']:>11.2f} {batch['tokens_per_s']:>10.1f}")
-    serving = report["serving"]
+    serving = report.get("serving")
+    if serving is None:
+        return
     print(f"serving, {serving['requests']} requests in bursts of {serving['burst']} over {serving['distinct_questions']} "
           f"questions of skewed popularity: computed {serving['computed']}, merged {serving['merged']} "
           f"({serving['merge_rate']:.0%}), answer cache {serving['answer-cache']} ({serving['answer_cache_hit_rate']:.0%}); "
           f"{serving['answers_per_s']:.2f} answers/s")
 
 
-def _peer(engine: Engine, model: str, snapshots: dict[int, Snapshot], runs: int) -> dict:
+def _peer(engine: Engine, model: str, snapshots: dict[int, Snapshot], corpus_dir: Path, runs: int) -> dict:
     from ..engine.model import gguf_file
     from .llama_cpp_peer import PeerUnavailable, run_peer
 
@@ -248,8 +262,8 @@ def _peer(engine: Engine, model: str, snapshots: dict[int, Snapshot], runs: int)
         return {"error": f"{model} is not a GGUF file or preset: llama.cpp needs one"}
     print("measuring llama.cpp on the same file...", file=sys.stderr, flush=True)
     try:
-        result = run_peer(gguf, torch.get_num_threads(), engine.max_context_tokens, _peer_cases(engine, snapshots),
-                          ANSWER_TOKENS, runs)
+        result = run_peer(gguf, torch.get_num_threads(), engine.max_context_tokens,
+                          _peer_cases(engine, snapshots, corpus_dir), ANSWER_TOKENS, runs)
     except PeerUnavailable as exc:
         return {"error": str(exc)}
     return {"gguf": gguf.name, **result}
@@ -258,6 +272,7 @@ def _peer(engine: Engine, model: str, snapshots: dict[int, Snapshot], runs: int)
 def main(config: Config, args: argparse.Namespace) -> int:
     """Run the benchmark on ``args.model`` (skipped with a message when that model is not installed)."""
     args.model = args.model or config.model.path
+    args.document_tokens = args.document_tokens or DOCUMENT_TOKENS
     try:
         loaded = load_model(args.model, config.model.threads, config.model.precision)
     except ModelError as exc:
@@ -266,18 +281,19 @@ def main(config: Config, args: argparse.Namespace) -> int:
     engine = Engine(loaded, max_context_tokens=8192, max_new_tokens=BATCH_NEW_TOKENS, question_budget_tokens=128)
     if engine.fast is None and engine.prefix_decoder is None:
         raise ValueError(f"{args.model} runs neither on the int8 engine nor on the shared-prefix path")
-    if engine.max_context_tokens < max(DOCUMENT_TOKENS) + 128 + ANSWER_TOKENS:
+    if engine.max_context_tokens < max(args.document_tokens) + 128 + ANSWER_TOKENS:
         raise ValueError(f"{args.model} has {engine.max_context_tokens} positions; the benchmark needs "
-                         f"{max(DOCUMENT_TOKENS) + 128 + ANSWER_TOKENS}")
+                         f"{max(args.document_tokens) + 128 + ANSWER_TOKENS}")
     corpus_dir = Path(config.corpus.manifest).parent / "fixed"
-    measured = measure(engine, corpus_dir, args.runs)
+    measured = measure(engine, corpus_dir, args.runs, args.document_tokens)
     snapshots = measured.pop("snapshots")
     report = {"model": args.model, "recipe": engine.recipe, "fingerprint": loaded.fingerprint,
               "threads": torch.get_num_threads(), "runs": args.runs, **measured}
     if args.peer == "llama-cpp":
-        report["peer"] = _peer(engine, args.model, snapshots, args.runs)
-    print("measuring the serving layer...", file=sys.stderr, flush=True)
-    report["serving"] = measure_serving(engine, snapshots[BATCH_DOCUMENT_TOKENS], config)
+        report["peer"] = _peer(engine, args.model, snapshots, corpus_dir, args.runs)
+    if BATCH_DOCUMENT_TOKENS in snapshots:
+        print("measuring the serving layer...", file=sys.stderr, flush=True)
+        report["serving"] = measure_serving(engine, snapshots[BATCH_DOCUMENT_TOKENS], config)
     print_table(report)
     saved = save_report("engine", report)
     if saved:

@@ -54,6 +54,9 @@ def _add_engine(engine: argparse.ArgumentParser) -> None:
     engine.add_argument("--peer", choices=("llama-cpp",),
                         help="also run llama.cpp (llama-cpp-python, built once into its own virtual environment) "
                              "on the same GGUF file, prompts and threads, in the same run")
+    engine.add_argument("--document-tokens", type=int, nargs="+", metavar="N",
+                        help="document sizes to measure (default: 512 2048 4096 7800); batches and the serving "
+                             "layer are measured over the 2048-token one, when it is among them")
 
 
 def _add_answers(answers: argparse.ArgumentParser) -> None:

@@ -190,6 +190,11 @@ class Engine:
         prompt = self.prompts.tokenize(QUESTION_ONLY_SYSTEM, question, may_decline=may_decline)
         return "question-only", prompt.ids, 0, prompt.prefix_len
 
+    def prompt_ids(self, question: str, snapshot: Snapshot | None = None,
+                   context: Sequence[Passage] | None = None) -> list[int]:
+        """The whole prompt's token ids as its route builds them: for a peer engine to prefill the same."""
+        return self._plan(question, snapshot, context, reuse_cache=True)[1]
+
     def _count_tokens(self, text: str) -> int:
         return len(self.prompts.encode(text))
 

@@ -18,10 +18,10 @@ def test_serving_workload_counts_every_request_once(tiny_engine, corpus_manifest
 
 def test_engine_measurements_on_the_tiny_model(tiny_engine, corpus_manifest_path, monkeypatch, capsys):
     """Every figure of the table is measured (short documents, one run), and the table prints."""
-    monkeypatch.setattr(engine_bench, "DOCUMENT_TOKENS", (300, 600))
     monkeypatch.setattr(engine_bench, "BATCH_DOCUMENT_TOKENS", 600)
     monkeypatch.setattr(engine_bench, "BATCH_SIZES", (1, 2))
-    measured = engine_bench.measure(tiny_engine, corpus_manifest_path.parent / "fixed", runs=1)
+    measured = engine_bench.measure(tiny_engine, corpus_manifest_path.parent / "fixed", runs=1,
+                                    document_tokens=(300, 600))
     snapshots = measured.pop("snapshots")
     assert sorted(snapshots) == [300, 600] and 500 <= measured["retrieval"]["prompt_tokens"] <= 900
     config = tiny_engine.config
@@ -31,12 +31,19 @@ def test_engine_measurements_on_the_tiny_model(tiny_engine, corpus_manifest_path
         assert 0 < row["hit_ttft_s"] < row["hit_answer_s"] and row["hit_decode_tok_s"] > 0
         assert row["bytes"] > per_token * row["document_tokens"] and row["load_mb_s"] > 0
     assert [b["questions"] for b in measured["batches"]] == [1, 2]
+    cases = engine_bench._peer_cases(tiny_engine, snapshots, corpus_manifest_path.parent / "fixed")
+    assert [case["name"] for case in cases] == ["question-only", "retrieval", "300", "600"]
+    retrieval = cases[1]  # the retrieval route's whole prompt, none of it restored
+    assert retrieval["prefix_ids"] == [] and len(retrieval["question_ids"]) == measured["retrieval"]["prompt_tokens"]
     peer = {"llama_cpp_version": "x", "gguf": "m.gguf", "cases": [
-        {"name": name, "restore_s": 0.01, "ttft_s": 0.1, "decode_tok_s": 50.0, "answer_s": 1.0, "state_bytes": 10**6}
-        for name in ("question-only", "300", "600")]}
+        {"name": case["name"], "restore_s": 0.01, "ttft_s": 0.1, "decode_tok_s": 50.0, "answer_s": 1.0,
+         "state_bytes": 10**6} for case in cases]}
     serving = {"requests": 1, "burst": 1, "distinct_questions": 1, "computed": 1, "merged": 0, "answer-cache": 0,
                "merge_rate": 0.0, "answer_cache_hit_rate": 0.0, "answers_per_s": 1.0}
     engine_bench.print_table({"model": "tiny", "recipe": tiny_engine.recipe, "threads": 1, "runs": 1, **measured,
                               "peer": peer, "serving": serving})
     table = capsys.readouterr().out
-    assert "llama.cpp x on m.gguf" in table and "Retrieval route" in table
+    assert "llama.cpp x on m.gguf" in table and "Retrieval route" in table and "full prefill of" in table
+    without_batches = engine_bench.measure(tiny_engine, corpus_manifest_path.parent / "fixed", runs=1,
+                                           document_tokens=(300,))
+    assert without_batches["batches"] == [] and without_batches["batch_document_tokens"] is None
