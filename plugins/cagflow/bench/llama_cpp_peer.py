@@ -17,11 +17,17 @@ import venv
 from pathlib import Path
 
 from ..config import CACHE_HOME
+from ..engine.kernels import cpu_flags
 from ..errors import CagflowError
 
 PEER_PACKAGE = "llama-cpp-python==0.3.36"
 PEER_VENV = CACHE_HOME / "llama-cpp-venv"
 RUNNER = Path(__file__).with_name("llama_cpp_runner.py")
+BUILT_WITH = PEER_VENV / ".cmake-args"
+# Its AMX matmul stops with an illegal instruction (``tilezero`` in a worker thread, tile permission granted) on
+# an AMX CPU here, so there it is built for the CPU's AVX-512 features without AMX: llama.cpp's usual CPU path.
+AVX512_WITHOUT_AMX = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+                      "-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON")
 
 
 class PeerUnavailable(CagflowError, RuntimeError):
@@ -34,9 +40,14 @@ def _peer_python() -> Path:
     return PEER_VENV / "bin" / "python"
 
 
+def cmake_args(flags: set[str]) -> str:
+    """How the peer is built for a CPU with these flags: natively, except on AMX CPUs (see ``AVX512_WITHOUT_AMX``)."""
+    return AVX512_WITHOUT_AMX if "amx_tile" in flags else "-DGGML_NATIVE=ON"
+
+
 def _installed() -> bool:
     python = _peer_python()
-    if not python.exists():
+    if not python.exists() or not BUILT_WITH.exists() or BUILT_WITH.read_text() != cmake_args(cpu_flags()):
         return False
     probe = subprocess.run([str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
                            capture_output=True, text=True)
@@ -52,9 +63,13 @@ def ensure_peer() -> Path:
     started = time.perf_counter()
     if not _peer_python().exists():
         venv.EnvBuilder(with_pip=True, clear=True).create(PEER_VENV)
-    env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON", "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
-    install = subprocess.run([str(_peer_python()), "-m", "pip", "install", "-q", "--no-binary", "llama-cpp-python",
-                              PEER_PACKAGE, "numpy"], env=env, capture_output=True, text=True)
+    args = cmake_args(cpu_flags())
+    env = {**os.environ, "CMAKE_ARGS": args, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
+    install = subprocess.run([str(_peer_python()), "-m", "pip", "install", "-q", "--force-reinstall", "--no-cache-dir",
+                              "--no-binary", "llama-cpp-python", PEER_PACKAGE, "numpy"],
+                             env=env, capture_output=True, text=True)
+    if install.returncode == 0:
+        BUILT_WITH.write_text(args)
     if install.returncode != 0 or not _installed():
         tail = (install.stderr or install.stdout).strip().splitlines()[-5:]
         raise PeerUnavailable(f"could not build {PEER_PACKAGE}: {' / '.join(tail) or 'unknown error'}")

@@ -13,13 +13,14 @@ from typing import Any, Iterator
 
 from ..config import Config
 
-ROUTE_STYLES = {"cache": ("tab:blue", "o"), "retrieval": ("tab:orange", "s"), "auto": ("tab:green", "^")}
+ROUTE_COLORS = {"cache": "tab:blue", "retrieval": "tab:orange", "auto": "tab:green"}
+FILE_MARKERS = "osD^vP*X"
 
 
 def points(report: dict[str, Any]) -> Iterator[tuple[str, int, float]]:
     """(route, prompt tokens, TTFT seconds) of every answer in a saved dataset report that reached the model."""
     for row in report.get("rows", []):
-        for route in ROUTE_STYLES:
+        for route in ROUTE_COLORS:
             record = row.get(route)
             if not record or record.get("ttft_s") is None or not record.get("tokens", {}).get("prompt"):
                 continue
@@ -27,7 +28,7 @@ def points(report: dict[str, Any]) -> Iterator[tuple[str, int, float]]:
 
 
 def plot_ttft(reports: dict[str, dict[str, Any]], path: Path) -> Path:
-    """One scatter, one colour per route, one marker fill per result file (named in the legend)."""
+    """One scatter: a colour per route, a marker per result file (both named in the legend)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,10 +40,8 @@ def plot_ttft(reports: dict[str, dict[str, Any]], path: Path) -> Path:
         for route, tokens, ttft in points(report):
             by_route.setdefault(route, []).append((tokens, ttft))
         for route, xy in sorted(by_route.items()):
-            color, marker = ROUTE_STYLES[route]
-            axes.scatter([x for x, _ in xy], [y for _, y in xy], s=18, marker=marker, alpha=0.7,
-                         edgecolors=color, facecolors=color if index == 0 else "none",
-                         label=f"{route} ({name}, {len(xy)})")
+            axes.scatter([x for x, _ in xy], [y for _, y in xy], s=18, alpha=0.7, color=ROUTE_COLORS[route],
+                         marker=FILE_MARKERS[index % len(FILE_MARKERS)], label=f"{route}: {name} ({len(xy)})")
     axes.set_xlabel("prompt tokens (computed + reused)")
     axes.set_ylabel("time to first token, s")
     axes.set_title("time to first token per route, through the REST API")

@@ -29,7 +29,8 @@ _native = None
 _native_error: str | None = None
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is unreadable)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -38,14 +39,14 @@ def _cpu_flags() -> set[str]:
 
 
 def cpu_has_avx512_bf16() -> bool:
-    return {"avx512_bf16", "avx512bw"} <= _cpu_flags()
+    return {"avx512_bf16", "avx512bw"} <= cpu_flags()
 
 
 def amx_ready() -> bool:
     """Whether wide blocks can run on AMX tiles: the CPU has AMX-BF16, the kernels are built and the OS grants
     this process the tile state. ``CAGFLOW_AMX=0`` says no, so that a fleet whose CPUs differ can run one
     recipe (a snapshot is reused only by the recipe that made it)."""
-    if os.environ.get("CAGFLOW_AMX", "1") == "0" or not {"amx_bf16", "amx_tile"} <= _cpu_flags():
+    if os.environ.get("CAGFLOW_AMX", "1") == "0" or not {"amx_bf16", "amx_tile"} <= cpu_flags():
         return False
     kernels = native_kernels()
     return kernels is not None and bool(kernels.amx_ready())

@@ -47,3 +47,12 @@ def test_engine_measurements_on_the_tiny_model(tiny_engine, corpus_manifest_path
     without_batches = engine_bench.measure(tiny_engine, corpus_manifest_path.parent / "fixed", runs=1,
                                            document_tokens=(300,))
     assert without_batches["batches"] == [] and without_batches["batch_document_tokens"] is None
+
+
+def test_llama_cpp_peer_is_built_without_amx_tiles_on_amx_cpus():
+    """Its AMX matmul stops with an illegal instruction here: AMX CPUs get the AVX-512 build, others native."""
+    from cagflow.bench.llama_cpp_peer import cmake_args
+
+    amx = cmake_args({"avx512f", "avx512_bf16", "amx_tile", "amx_int8"})
+    assert "-DGGML_NATIVE=OFF" in amx and "-DGGML_AVX512=ON" in amx and "AMX" not in amx
+    assert cmake_args({"avx2", "fma"}) == "-DGGML_NATIVE=ON"
