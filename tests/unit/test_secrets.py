@@ -30,6 +30,7 @@ ASSIGNMENT = re.compile(r"(?m)^[ \t]*(?:export[ \t]+|-[ \t]+)?[\"']?(?P<name>[A-
                         r"(?P<value>.*)$")
 URL_PASSWORD = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s:@]+:(?P<value>[^@\s/]+)@")
 VARIABLE = re.compile(r"\$\{[^}]*\}|\$[A-Za-z_][A-Za-z0-9_]*")
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE]-?\d+)?,?")
 
 # A literal secret-named value allowed in a configuration file, and why it is not a secret.
 ALLOWED_VALUES = {
@@ -54,6 +55,7 @@ def _allowed(name: str, value: str) -> bool:
             or VARIABLE.fullmatch(value) is not None  # taken from the environment at run time
             or value.startswith("$(")  # generated at run time by a shell command (e.g. openssl rand)
             or name.lower().endswith("_file")  # the path of a secret file (Docker/Kubernetes secrets), not the secret
+            or NUMBER.fullmatch(value) is not None  # a measurement named for tokens (bench results), not a key
             or value in ALLOWED_VALUES)
 
 
@@ -122,6 +124,7 @@ CLEAN = [
     ("config.yaml", "  max_new_tokens: 128\n  chunk_tokens: 200  # tokens\n"),
     ("config.yaml", "url: postgresql+psycopg2://airflow:${AIRFLOW_DB_PASSWORD}@postgres/airflow"),
     ("test_app.py", 'headers = {"Authorization": "Bearer ' + KEY_PREFIX + '_000000000000_wrong"}\npassword = "x"'),
+    ("engine-20261206T211855Z.json", '      "snapshot_bytes_per_token": 28672.0,\n      "prompt_token": 12\n'),
 ]
 
 

@@ -220,7 +220,9 @@ def test_bench_lists_its_benchmarks_and_each_has_only_its_own_options(capsys):
 
 
 @pytest.mark.parametrize(("argv", "expected"), [
-    (["engine"], {"model": None, "runs": 3, "peer": None}),
+    (["engine", "--document-tokens", "2048", "7800"], {"model": None, "runs": 3, "peer": None,
+                                                        "document_tokens": [2048, 7800]}),
+    (["plot", "a.json", "b.json"], {"results": ["a.json", "b.json"], "out": "bench/ttft-per-route.png"}),
     (["load", "--soak", "600"], {"clients": None, "duration": 60, "soak": 600, "soak_clients": 4, "soak_pause": 1.0,
                                  "max_new_tokens": None, "stream_share": 0.2, "pid": None}),
     (["faults", "--scenario", "s3-outage"], {"scenario": ["s3-outage"], "fault_doc_id": None, "model": None,
