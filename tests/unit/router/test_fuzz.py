@@ -11,11 +11,10 @@ the generated requests got (most get past authentication and content type to the
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+import test_app as app_tests
 from cagflow.router.access import MAX_NEW_TOKENS, MAX_TOP_K, ROUTES
 from cagflow.router.apikeys import ApiKeyStore
 from cagflow.router.chat_requests import ALIAS, IGNORED, UNSUPPORTED
@@ -26,16 +25,6 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 
-def _sibling(name: str):
-    """A test module next to this one, by path (tests are not a package): the stand-in router and the app
-    factory are test_app.py's, not copies."""
-    spec = importlib.util.spec_from_file_location(f"fuzz_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-app_tests = _sibling("test_app")
 
 FUZZ = settings(max_examples=200, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

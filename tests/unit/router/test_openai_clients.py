@@ -26,10 +26,9 @@ INVENTED = "What does the gateway cost?"
 BREAKS = "Triton goes away mid-answer"
 # The router's own runner with the stand-in routing: RouterServer's worker builds the app with it.
 SERVE = """
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("compat_tests", sys.argv[1])
-tests = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tests)
+import os, sys
+sys.path.insert(0, os.path.dirname(sys.argv[1]))  # as conftest.py does: the folder's modules import each other
+import test_openai_compat as tests
 from cagflow.config import load_config
 from cagflow.router.app import create_app
 from cagflow.router.server import RouterServer, gunicorn_options

@@ -5,12 +5,11 @@ answers in full answer records (``answer_record``, the real builder), as the rea
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import threading
-from pathlib import Path
 
 import pytest
+import test_app as app_tests
 from cagflow.answering.prompt import declined_answer
 from cagflow.answering.record import answer_record
 from cagflow.router.access import ApiError
@@ -20,16 +19,6 @@ from cagflow.router.failures import triton_failure
 from cagflow.router.triton_client import TritonUnavailable
 
 
-def _sibling(name: str):
-    """A test module next to this one, by path (tests are not a package): the stand-in router and the app
-    factory are test_app.py's, not copies."""
-    spec = importlib.util.spec_from_file_location(f"compat_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-app_tests = _sibling("test_app")
 keys, access_lines = app_tests.keys, app_tests.access_lines  # its fixtures, used here too
 
 MODEL = "qwen2.5-coder-1.5b"  # the configured model's id (model.path's default)

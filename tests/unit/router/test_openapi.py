@@ -6,13 +6,12 @@ every described operation is called here."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import test_openai_compat as compat
 from cagflow.router.chat_requests import HONOURED, IGNORED, UNSUPPORTED
 from cagflow.router.handlers import openapi_document
 from openapi_core import Config, OpenAPI
@@ -21,15 +20,6 @@ from openapi_schema_validator import OAS31Validator
 from werkzeug.test import EnvironBuilder
 
 
-def _sibling(name: str):
-    """A test module next to this one, by path (tests are not a package)."""
-    spec = importlib.util.spec_from_file_location(f"openapi_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-compat = _sibling("test_openai_compat")
 keys = compat.keys
 DOCUMENT = openapi_document()
 # The document itself is validated here (openapi-spec-validator); a server-sent stream is read as text.
