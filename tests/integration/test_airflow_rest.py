@@ -5,18 +5,14 @@ everything stopped by the command line."""
 
 from __future__ import annotations
 
-import base64
-import json
 import os
-import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from cagflow.devstack import webdriver
 from cagflow.devstack.airflow import LocalAirflow, main
-from cagflow.devstack.process import free_port
 from cagflow.store.backends import LocalStore
 from cagflow.store.manifests import load_release
 
@@ -28,7 +24,6 @@ DAG_IDS = {"cag_fixed_precompute": ("plan_parts", "publish_release"),  # each DA
            "cag_snapshot_maintenance": ("verify_active_release", "collect_garbage"),
            "cag_variable_ingest": ("embed", "index")}
 FIXED_DOCS = ["support-faq", "yunfan-ops-manual"]  # a run's tasks are the same for two documents as for seven
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"  # Debian's chromium, chromium-driver
 
 
 @pytest.fixture
@@ -39,85 +34,12 @@ def artifacts() -> Path:
     return path
 
 
-class Browser:
-    """Headless Chromium driven through ChromeDriver's W3C WebDriver protocol (plain HTTP + JSON)."""
-
-    ELEMENT = "element-6066-11e4-a52e-4f735466cecf"
-
-    def __init__(self, profile: Path):
-        self.port = free_port()
-        self.driver = subprocess.Popen([CHROMEDRIVER, f"--port={self.port}"], stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                self._call("GET", "/status")
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        # Without the background-networking flags Chromium keeps dialling Google's hosts on a closed network.
-        args = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                f"--user-data-dir={profile}", "--window-size=1400,1000"]
-        options = {"binary": CHROMIUM, "args": args}
-        self.session = self._call("POST", "/session", {"capabilities": {"alwaysMatch": {
-            "browserName": "chrome", "goog:chromeOptions": options}}})["sessionId"]
-
-    def _call(self, method: str, path: str, body: dict | None = None):
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", method=method,
-                                         data=json.dumps(body).encode() if body is not None else None,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return json.loads(response.read())["value"]
-
-    def _session(self, method: str, path: str, body: dict | None = None):
-        return self._call(method, f"/session/{self.session}{path}", body)
-
-    def open(self, url: str) -> None:
-        self._session("POST", "/url", {"url": url})
-
-    def element(self, css: str, timeout_s: float = 30) -> str:
-        deadline = time.monotonic() + timeout_s
-        while not (found := self._session("POST", "/elements", {"using": "css selector", "value": css})):
-            assert time.monotonic() < deadline, f"no {css!r} on {self._session('GET', '/url')}"
-            time.sleep(0.25)
-        return found[0][self.ELEMENT]
-
-    def type(self, css: str, text: str) -> None:
-        self._session("POST", f"/element/{self.element(css)}/value", {"text": text})
-
-    def click(self, css: str) -> None:
-        self._session("POST", f"/element/{self.element(css)}/click", {})
-
-    def wait_for_text(self, *texts: str, timeout_s: float = 30) -> str:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            page = self._session("POST", "/execute/sync", {"script": "return document.body.innerText", "args": []})
-            if all(text in page for text in texts):
-                return page
-            assert time.monotonic() < deadline, f"{texts} not on {self._session('GET', '/url')}: {page[:300]}"
-            time.sleep(0.5)
-
-    def screenshot(self, path: Path) -> Path:
-        path.write_bytes(base64.b64decode(self._session("GET", "/screenshot")))
-        return path
-
-    def close(self) -> None:
-        try:
-            self._session("DELETE", "")
-        finally:
-            self.driver.terminate()
-            self.driver.wait(timeout=30)
-
-
 def look_at_the_ui(airflow: LocalAirflow, artifacts: Path, profile: Path) -> list[Path]:
     """Log in as an operator would, open the DAG list and each DAG; a screenshot of every page."""
-    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
-        pytest.fail("headless Chromium is missing: apt-get install chromium chromium-driver (make test does)")
+    if not webdriver.installed():
+        pytest.fail(webdriver.MISSING)
     user, password = airflow.credentials()
-    browser = Browser(profile)
+    browser = webdriver.Browser(profile)
     try:
         browser.open(f"{airflow.url}/")
         browser.wait_for_text("Sign into Airflow")
