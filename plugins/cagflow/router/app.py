@@ -1,6 +1,7 @@
 """The REST API: ``POST /v1/query``, ``GET /v1/releases``, ``POST /admin/reload``, ``GET /healthz``,
 ``GET /readyz``, ``GET /metrics`` and ``GET /openapi.json``; and for OpenAI's clients
-``POST /v1/chat/completions`` and ``GET /v1/models`` (``openai_compat``).
+``POST /v1/chat/completions`` and ``GET /v1/models`` (``openai_compat``); ``GET /``, a web page that asks
+``POST /v1/query`` (its script and style are served from ``static/`` by Flask's static route).
 
 Every response carries ``X-Request-ID`` (the caller's, when it is a safe token, else a fresh one) and
 every error is ``{"error": {"code", "message"}, "request_id"}`` (OpenAI's shape on its endpoints): never

@@ -82,6 +82,23 @@ def openapi_document() -> dict[str, Any]:
     return yaml.safe_load((resources.files(__package__) / "openapi.yaml").read_text(encoding="utf-8"))
 
 
+# The page's script and style are files of their own (static/, Flask's static route), so nothing inline runs.
+PAGE_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; base-uri 'none'; "
+               "form-action 'none'; frame-ancestors 'none'")
+
+
+@functools.cache
+def page_html() -> str:
+    return (resources.files(__package__) / "static" / "index.html").read_text(encoding="utf-8")
+
+
+@api.get("/")
+def page() -> Response:
+    """The web page that asks questions (README "Web page"); public, as it holds no data until a key is typed."""
+    return Response(page_html(), mimetype="text/html", headers={
+        "Content-Security-Policy": PAGE_POLICY, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
+
+
 @api.get("/openapi.json")
 def openapi() -> Response:
     return json_response(openapi_document())

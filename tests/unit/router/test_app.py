@@ -218,7 +218,8 @@ def test_malformed_bodies_are_json_4xx_never_5xx_or_html(client, raw, code):
     ("put", "/v1/query", {"json": {"question": "q"}}, 405, "method_not_allowed"),
     ("delete", "/admin/reload", {}, 405, "method_not_allowed"),
     ("post", "/healthz", {}, 405, "method_not_allowed"),
-    ("get", "/", {}, 404, "not_found"),
+    ("post", "/", {}, 405, "method_not_allowed"),  # GET / is the web page
+    ("get", "/index.html", {}, 404, "not_found"),
     ("get", "/v1/query/extra", {}, 404, "not_found"),
     ("get", "/%00", {}, 404, "not_found"),
     ("get", "/v2/models/cag_llm/infer", {}, 404, "not_found"),

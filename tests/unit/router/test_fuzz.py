@@ -181,11 +181,16 @@ def _send(fuzzed, method: str, path: str, body: bytes, sent_headers: dict, down:
         return client.open(path, method=method, data=body, headers=sent)
 
 
+PAGE_TYPES = ("text/html", "text/javascript", "text/css")  # the web page's only, and never for an error
+
+
 def assert_well_formed(response, down: bool) -> None:
     """The properties every answer has, whatever was sent (a reply to HEAD has headers only)."""
     text = response.get_data(as_text=True)
     assert "Traceback" not in text and 'File "' not in text, text[:500]
-    assert response.mimetype in ("application/json", "text/event-stream", "text/plain"), response.mimetype
+    page = response.request.path == "/" or response.request.path.startswith("/static/")  # the web page's files
+    assert response.mimetype in ("application/json", "text/event-stream", "text/plain") or (
+        page and response.status_code < 400 and response.mimetype in PAGE_TYPES), response.mimetype
     status = response.status_code
     error = (response.get_json(silent=True) or {}).get("error") if response.is_json else None
     event(f"{status} {error.get('code') if isinstance(error, dict) else ''}")  # --hypothesis-show-statistics

@@ -28,6 +28,9 @@ INVENTED = "What does the gateway cost?"  # the model's text streams, then is he
 BREAKS = "Triton goes away mid-answer"
 CITATION = {"doc_id": "gateway-manual", "chunk_id": "gateway-manual#3", "title": "Gateway manual",
             "section": "Ports", "score": 0.91}
+CHINESE = "网页控制台使用哪个端口？"  # answered in Chinese, from a Chinese section
+CHINESE_CITATION = {"doc_id": "gateway-manual-zh", "chunk_id": "gateway-manual-zh#3", "title": "网关手册",
+                    "section": "端口", "score": 0.9}
 # question -> (the text pieces streamed, answer_record fields)
 SCENARIOS = {
     OFF_TOPIC: ([declined_answer(OFF_TOPIC)], {"model_answer": declined_answer(OFF_TOPIC), "answered": False,
@@ -36,6 +39,8 @@ SCENARIOS = {
     INVENTED: (["It costs", " 9999 euros."], {"model_answer": "It costs 9999 euros.", "answered": False,
                                              "decline_reason": "unsupported_figures",
                                              "unsupported_figures": ["9999"]}),
+    CHINESE: (["网页控制台使用", "端口 8443。"], {"model_answer": "网页控制台使用端口 8443。", "answered": True,
+                                              "citations": [CHINESE_CITATION]}),
 }
 ANSWERED = (["Port", " 8443."], {"model_answer": "Port 8443.", "answered": True, "citations": [CITATION]})
 

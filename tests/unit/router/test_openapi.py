@@ -22,9 +22,10 @@ from werkzeug.test import EnvironBuilder
 
 keys = compat.keys
 DOCUMENT = openapi_document()
-# The document itself is validated here (openapi-spec-validator); a server-sent stream is read as text.
+# The document itself is validated here (openapi-spec-validator); a server-sent stream and the page are read as text.
+AS_TEXT = ("text/event-stream", "text/html")
 SPEC = OpenAPI.from_dict(DOCUMENT, config=Config(extra_media_type_deserializers={
-    "text/event-stream": lambda value, **parameters: value.decode("utf-8")}))
+    media_type: lambda value, **parameters: value.decode("utf-8") for media_type in AS_TEXT}))
 VERBS = ("get", "post", "put", "patch", "delete")
 
 
@@ -43,6 +44,7 @@ class Call(NamedTuple):
 
 
 CALLS = [
+    Call("get", "/", {}, None, 200),
     Call("get", "/healthz", {}, None, 200),
     Call("get", "/readyz", {}, None, 200),
     Call("get", "/metrics", {}, None, 200),
