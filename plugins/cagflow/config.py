@@ -363,7 +363,7 @@ class RulesConfig(_Section):
     measures what each would change (``cagflow bench answers --ablate``)."""
 
     # The re-asks are off: on the public SQuAD 2.0 and CMRC 2018 runs they gained no right answer, answered
-    # near-miss questions the first attempt had declined, and took 2-10x their route's median (bench/README.md
+    # near-miss questions the first attempt had declined, and took 1.4-6x their route's median (bench/README.md
     # "Second attempts"). Off, they are still evaluated and reported in ``rules_fired``.
     disabled: list[str] = ["reask_relevant_decline", "reask_document_alone"]
 

@@ -101,13 +101,13 @@ def _load_speed(snapshot: Snapshot, runs: int) -> dict:
     return {"bytes": size, "raw_read_mb_s": size / raw_s / 1e6, "load_mb_s": size / load_s / 1e6}
 
 
-def _peer_cases(engine: Engine, snapshots: dict[int, Snapshot], corpus_dir: Path) -> list[dict]:
+def _peer_cases(engine: Engine, snapshots: dict[int, Snapshot], passages: list[Passage]) -> list[dict]:
     """The same token ids for llama.cpp: the document prefix it saves and restores, then the question; and
     the retrieval route's whole prompt, prefilled per request on both sides."""
     cases = [{"name": "question-only", "prefix_ids": [],
               "question_ids": engine.prompts.tokenize(QUESTION_ONLY_SYSTEM, QUESTIONS[0]).ids},
              {"name": "retrieval", "prefix_ids": [],
-              "question_ids": engine.prompt_ids(QUESTIONS[0], context=retrieval_passages(engine, corpus_dir))}]
+              "question_ids": engine.prompt_ids(QUESTIONS[0], context=passages)}]
     for tokens, snapshot in snapshots.items():
         prompt = engine.prompts.tokenize(snapshot.system_prompt, QUESTIONS[0], snapshot.prefix_token_ids)
         cases.append({"name": str(tokens), "prefix_ids": prompt.ids[:prompt.prefix_len],
@@ -163,7 +163,7 @@ def measure(engine: Engine, corpus_dir: Path, runs: int, document_tokens: Sequen
                         "seconds": seconds})
     return {"question_only": question_only, "retrieval": retrieval, "documents": rows,
             "batch_document_tokens": batch_snapshot.n_tokens if batch_snapshot is not None else None,
-            "batch_new_tokens": BATCH_NEW_TOKENS, "batches": batches, "snapshots": snapshots}
+            "batch_new_tokens": BATCH_NEW_TOKENS, "batches": batches, "snapshots": snapshots, "passages": passages}
 
 
 def measure_serving(engine: Engine, snapshot: Snapshot, config: Config, rounds: int = SERVING_ROUNDS) -> dict:
@@ -253,7 +253,7 @@ def print_table(report: dict) -> None:
           f"{serving['answers_per_s']:.2f} answers/s")
 
 
-def _peer(engine: Engine, model: str, snapshots: dict[int, Snapshot], corpus_dir: Path, runs: int) -> dict:
+def _peer(engine: Engine, model: str, snapshots: dict[int, Snapshot], passages: list[Passage], runs: int) -> dict:
     from ..engine.model import gguf_file
     from .llama_cpp_peer import PeerUnavailable, run_peer
 
@@ -263,7 +263,7 @@ def _peer(engine: Engine, model: str, snapshots: dict[int, Snapshot], corpus_dir
     print("measuring llama.cpp on the same file...", file=sys.stderr, flush=True)
     try:
         result = run_peer(gguf, torch.get_num_threads(), engine.max_context_tokens,
-                          _peer_cases(engine, snapshots, corpus_dir), ANSWER_TOKENS, runs)
+                          _peer_cases(engine, snapshots, passages), ANSWER_TOKENS, runs)
     except PeerUnavailable as exc:
         return {"error": str(exc)}
     return {"gguf": gguf.name, **result}
@@ -286,11 +286,11 @@ def main(config: Config, args: argparse.Namespace) -> int:
                          f"{max(args.document_tokens) + 128 + ANSWER_TOKENS}")
     corpus_dir = Path(config.corpus.manifest).parent / "fixed"
     measured = measure(engine, corpus_dir, args.runs, args.document_tokens)
-    snapshots = measured.pop("snapshots")
+    snapshots, passages = measured.pop("snapshots"), measured.pop("passages")
     report = {"model": args.model, "recipe": engine.recipe, "fingerprint": loaded.fingerprint,
               "threads": torch.get_num_threads(), "runs": args.runs, **measured}
     if args.peer == "llama-cpp":
-        report["peer"] = _peer(engine, args.model, snapshots, corpus_dir, args.runs)
+        report["peer"] = _peer(engine, args.model, snapshots, passages, args.runs)
     if BATCH_DOCUMENT_TOKENS in snapshots:
         print("measuring the serving layer...", file=sys.stderr, flush=True)
         report["serving"] = measure_serving(engine, snapshots[BATCH_DOCUMENT_TOKENS], config)

@@ -348,10 +348,11 @@ class Engine:
         else:
             route, ids, reused, _ = self._plan(question, snapshot, context, reuse_cache, may_decline=False)
         self._check_room(route, ids, reused, budget)
-        reused = max(reused, declined.reused_tokens)  # the first attempt's prefix (passage states) serves again
         again = Decoded(started)
         yield from self._decode(again, ids, reused, snapshot, budget, prefix)
-        answer = again.answer(self.tokenizer, snapshot, context, question, route, len(ids), reused, self.disabled_rules)
+        # the record counts the first attempt's prefix (its passage states), which served again
+        answer = again.answer(self.tokenizer, snapshot, context, question, route, len(ids),
+                              max(reused, declined.reused_tokens), self.disabled_rules)
         answer.relevance, answer.reasked = declined.relevance, True
         answer.rules_fired = (*declined.rules_fired, *answer.rules_fired)
         yield answer

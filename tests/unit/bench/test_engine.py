@@ -22,7 +22,7 @@ def test_engine_measurements_on_the_tiny_model(tiny_engine, corpus_manifest_path
     monkeypatch.setattr(engine_bench, "BATCH_SIZES", (1, 2))
     measured = engine_bench.measure(tiny_engine, corpus_manifest_path.parent / "fixed", runs=1,
                                     document_tokens=(300, 600))
-    snapshots = measured.pop("snapshots")
+    snapshots, passages = measured.pop("snapshots"), measured.pop("passages")
     assert sorted(snapshots) == [300, 600] and 500 <= measured["retrieval"]["prompt_tokens"] <= 900
     config = tiny_engine.config
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2  # K and V, bf16
@@ -31,7 +31,7 @@ def test_engine_measurements_on_the_tiny_model(tiny_engine, corpus_manifest_path
         assert 0 < row["hit_ttft_s"] < row["hit_answer_s"] and row["hit_decode_tok_s"] > 0
         assert row["bytes"] > per_token * row["document_tokens"] and row["load_mb_s"] > 0
     assert [b["questions"] for b in measured["batches"]] == [1, 2]
-    cases = engine_bench._peer_cases(tiny_engine, snapshots, corpus_manifest_path.parent / "fixed")
+    cases = engine_bench._peer_cases(tiny_engine, snapshots, passages)
     assert [case["name"] for case in cases] == ["question-only", "retrieval", "300", "600"]
     retrieval = cases[1]  # the retrieval route's whole prompt, none of it restored
     assert retrieval["prefix_ids"] == [] and len(retrieval["question_ids"]) == measured["retrieval"]["prompt_tokens"]
