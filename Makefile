@@ -5,16 +5,18 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.cagflow-deps
 PYTEST_ARGS ?=
 
-.PHONY: install lint browser redis tools run stop test test-unit test-static images test-containers help
+.PHONY: install lint browser redis jaeger tools run stop test test-unit test-static images test-containers help
 
 help:
 	@echo "make run   - install, start OpenSearch, Triton, Airflow and the REST API, run the ingest and precompute"
 	@echo "             DAGs on the sample corpus, then ask sample questions through the API"
+	@echo "            TRACING=1 also starts a Jaeger collector and traces every request (README \"Tracing\")"
 	@echo "make stop  - stop the services make run started"
 	@echo "make test  - install and run the test suite (it starts its own servers on 127.0.0.1); not the tools tests"
 	@echo "make test-unit - ruff, then the tests that need no server, no real model and no make tools (no network)"
 	@echo "make test-static - the container files' static checks (compose, hadolint, promtool, kustomize; needs make tools)"
 	@echo "make lint  - ruff check of the whole checkout (pyproject.toml's [tool.ruff])"
+	@echo "make jaeger - build the Jaeger trace collector once (~10 min; make test needs it, make run TRACING=1 too)"
 	@echo "make tools - build the container files' linters once (compose, promtool, kustomize, hadolint; ~11 min the first time)"
 	@echo "make images - build every image docker/docker-compose.yml runs, without a registry (docker/build-local.sh)"
 	@echo "make test-containers - run the compose stacks with the smallest model: the small stack (both DAGs, the demo,"
@@ -41,6 +43,9 @@ TRITON_GRPC_PORT ?= 8001
 TRITON_METRICS_PORT ?= 8002
 AIRFLOW_PORT ?= 8081
 DEMO_QUESTIONS ?= 4  # per language: English, then Chinese
+# TRACING=1: start a Jaeger collector (UI on :16686) and send every component's traces to it.
+TRACING ?=
+JAEGER_OTLP_PORT ?= 4318
 
 # One step of `make run`: say what it does, run it, say how long it took, and note that for the summary.
 RUN_STEPS := $(VENV)/.make-run-steps
@@ -62,11 +67,13 @@ run: export CAGFLOW__SERVICE__TRITON_URL = 127.0.0.1:$(TRITON_HTTP_PORT)
 run: export CAGFLOW__SERVICE__TRITON_GRPC_URL = 127.0.0.1:$(TRITON_GRPC_PORT)
 run: export CAGFLOW__SERVICE__TRITON_METRICS_URL = http://127.0.0.1:$(TRITON_METRICS_PORT)/metrics
 run: export CAGFLOW__PRECOMPUTE__TRITON_URL = 127.0.0.1:$(TRITON_HTTP_PORT)
+run: export CAGFLOW__TRACING__ENDPOINT = $(if $(TRACING),http://127.0.0.1:$(JAEGER_OTLP_PORT))
 run:
 	@mkdir -p $(VENV) && : > $(RUN_STEPS)
 	$(call step,install dependencies,$(MAKE) --no-print-directory install)
 	$(call step,prepare the model,$(BIN)/cagflow model prepare)
 	$(call step,start OpenSearch,$(BIN)/cagflow opensearch up)
+	$(if $(TRACING),$(call step,start Jaeger (traces),$(MAKE) --no-print-directory jaeger && $(BIN)/cagflow jaeger up))
 	$(call step,start Triton,$(BIN)/cagflow triton up --http-port $(TRITON_HTTP_PORT) \
 		--grpc-port $(TRITON_GRPC_PORT) --metrics-port $(TRITON_METRICS_PORT))
 	$(call step,start Airflow,$(BIN)/cagflow airflow up --port $(AIRFLOW_PORT))
@@ -84,6 +91,7 @@ stop:
 	-$(BIN)/cagflow airflow down
 	-$(BIN)/cagflow triton down
 	-$(BIN)/cagflow opensearch down
+	-$(BIN)/cagflow jaeger down
 
 # The Airflow UI test drives Debian's headless Chromium through ChromeDriver: installed here when missing.
 browser:
@@ -109,8 +117,13 @@ tools: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check
 
+# The trace collector of the tracing tests and of `make run TRACING=1`: Jaeger v2, built from the Go module proxy
+# into ~/.cache/cagflow/tools on the first run (~10 min on 2 cores), then found in a second.
+jaeger:
+	@bash docker/static-tools.sh jaeger >/dev/null
+
 # Every test but the container files' static checks (marked tools), which need the Go-built linters: `make test-static`.
-test: lint install browser redis
+test: lint install browser redis jaeger
 	$(BIN)/python -m pytest -m "not tools" $(PYTEST_ARGS)
 
 # The quick tests, offline: no server (integration), no real model (real_model) and no Go build (tools).

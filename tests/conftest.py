@@ -174,3 +174,26 @@ def publish_first_parts(tiny_model, corpus):
         return engine, release
 
     return publish
+
+
+@pytest.fixture(scope="session")
+def _span_memory():
+    """An OpenTelemetry provider for this test process whose spans stay in memory (a process takes one provider,
+    so it is installed once; tests that come after it see trace ids, which nothing else depends on)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return exporter
+
+
+@pytest.fixture()
+def finished_spans(_span_memory):
+    """The spans finished during the test, oldest first (``finished_spans()``)."""
+    _span_memory.clear()
+    return _span_memory.get_finished_spans

@@ -375,6 +375,23 @@ class RulesConfig(_Section):
         return check_names(value)
 
 
+class TracingConfig(_Section):
+    """OpenTelemetry traces (``cagflow.tracing``; README "Tracing"). Off while ``endpoint`` is empty."""
+
+    endpoint: str = ""  # a collector's OTLP/HTTP base URL, e.g. http://127.0.0.1:4318 (Jaeger, otel-collector)
+    sample_ratio: float = Field(1.0, ge=0.0, le=1.0)  # of the traces started here; a caller's sampled flag wins
+    export_timeout_s: float = Field(5.0, gt=0)
+    export_delay_ms: int = Field(1000, ge=1)  # spans are sent in batches at most this long after they end
+    query_url: str = "http://127.0.0.1:16686"  # the collector's query API (Jaeger's), for `cagflow trace`
+
+    @field_validator("endpoint", "query_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if value and not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL (e.g. http://127.0.0.1:4318), or empty for off")
+        return value
+
+
 class Config(_Section):
     service: ServiceConfig = ServiceConfig()
     cache: CacheConfig = CacheConfig()
@@ -385,6 +402,7 @@ class Config(_Section):
     ingest: IngestConfig = IngestConfig()
     maintenance: MaintenanceConfig = MaintenanceConfig()
     rules: RulesConfig = RulesConfig()
+    tracing: TracingConfig = TracingConfig()
 
 
 def _set_path(tree: dict[str, Any], dotted: list[str], value: Any) -> None:

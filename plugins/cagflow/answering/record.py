@@ -16,7 +16,7 @@ def answer_record(*, question: str, model_answer: str, answered: bool, decline_r
                   suggestions: Sequence[dict] = (), fallback_reason: str | None = None,
                   scope_score: float | None = None, best_score: float | None = None, relevance: float | None = None,
                   answer_source: str | None = "computed", request_id: str | None = None,
-                  rules_fired: Sequence[str] = ()) -> dict[str, Any]:
+                  trace_id: str | None = None, rules_fired: Sequence[str] = ()) -> dict[str, Any]:
     """A declined answer reads as the decline sentence in the question's language; what the model said
     instead is kept in ``model_answer`` when it differs (an answer held unsupported)."""
     declines = {words.declined for words in WORDINGS.values()}
@@ -28,6 +28,6 @@ def answer_record(*, question: str, model_answer: str, answered: bool, decline_r
         "scope_score": scope_score, "best_score": best_score, "relevance": relevance, "answer_source": answer_source,
         "release_id": release_id, "finish_reason": finish_reason, "timings_ms": timings_ms,
         "tokens": {"prompt": prompt_tokens, "reused": reused_tokens, "generated": generated_tokens},
-        "request_id": request_id, "rules_fired": list(rules_fired),
+        "request_id": request_id, "trace_id": trace_id, "rules_fired": list(rules_fired),
         **({} if answered or model_answer.strip() in declines else {"model_answer": model_answer}),
     }

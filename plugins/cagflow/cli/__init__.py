@@ -13,7 +13,7 @@ from .common import StrictParser
 # In the order `cagflow --help` lists the commands.
 COMMANDS = (snapshots.add_precompute, ask.add_ask, ask.add_serve, keys.add_keys, snapshots.add_releases,
             snapshots.add_capacity, snapshots.add_model, local.add_doctor, local.add_config, bench.add_bench,
-            local.add_services, ask.add_demo)
+            local.add_services, local.add_trace, ask.add_demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -82,6 +82,8 @@ def _route_line(record: dict) -> str:
         parts.append(f"fallback: {record['fallback_reason']}")
     parts += [f"{name} {timings[name]:.0f} ms" for name in ("ttft", "total") if timings.get(name) is not None]
     parts.append(f"request {record.get('request_id')}")
+    if record.get("trace_id"):
+        parts.append(f"trace {record['trace_id']}")  # `cagflow trace` shows it
     return f"[{' · '.join(parts)}]"
 
 

@@ -38,7 +38,18 @@ def _opensearch_run_args(config: Config) -> list[str]:
     return ["--data-dir", str(CACHE_HOME / "opensearch-data"), "--port", str(endpoint.port or 9200)]
 
 
-SERVICES = {"opensearch": _opensearch_run_args}
+def _jaeger_run_args(config: Config) -> list[str]:
+    """The collector ``tracing.endpoint`` names (default OTLP/HTTP port 4318), with its UI on 16686."""
+    from urllib.parse import urlparse
+
+    endpoint = urlparse(config.tracing.endpoint or "http://127.0.0.1:4318")
+    if endpoint.hostname not in ("127.0.0.1", "localhost"):
+        raise ValueError(f"tracing.endpoint {config.tracing.endpoint} is not local; "
+                         "`cagflow jaeger up` only starts a collector on 127.0.0.1")
+    return ["--data-dir", str(CACHE_HOME / "jaeger"), "--otlp-port", str(endpoint.port or 4318), "--ui-port", "16686"]
+
+
+SERVICES = {"opensearch": _opensearch_run_args, "jaeger": _jaeger_run_args}
 
 
 def cmd_service(args: argparse.Namespace, config: Config) -> int:
@@ -77,6 +88,30 @@ def run_delegated(argv: list[str]) -> int | None:
     if config and rest[:1] == ["up"] and "--config" not in rest:
         rest += ["--config", config]
     return importlib.import_module(DELEGATED[argv[0]][0]).main(rest)
+
+
+def cmd_trace(args: argparse.Namespace, config: Config) -> int:
+    """One request's trace from the collector, as a tree (README "Tracing")."""
+    import re
+
+    from ..client.traces import fetch_trace, render, span_tree
+
+    if not re.fullmatch(r"[0-9a-fA-F]{32}", args.trace_id):
+        raise ValueError(f"{args.trace_id!r} is not a trace id (32 hex digits, the answer's trace_id)")
+    trace = fetch_trace(args.query_url or config.tracing.query_url, args.trace_id.lower())
+    print(json.dumps(trace, indent=2) if args.json else render(args.trace_id.lower(), span_tree(trace),
+                                                               attributes=args.attributes))
+    return 0
+
+
+def add_trace(commands: argparse._SubParsersAction) -> None:
+    trace = commands.add_parser("trace", help="print one request's trace (the trace_id of its answer) from the "
+                                              "collector as a tree of spans with their times")
+    trace.add_argument("trace_id")
+    trace.add_argument("--query-url", help="the collector's query API (default: tracing.query_url)")
+    trace.add_argument("--attributes", action="store_true", help="also each span's cagflow.* attributes")
+    trace.add_argument("--json", action="store_true", help="the collector's JSON instead of the tree")
+    trace.set_defaults(run=cmd_trace)
 
 
 def add_doctor(commands: argparse._SubParsersAction) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import psutil
 
-from ..config import CACHE_HOME
+from ..config import CACHE_HOME, TracingConfig, load_config
 from .background import ServiceError
 from .process import HOST, ServerContext, ServerProcess, free_port, log_tail, record_group, running_record
 
@@ -53,6 +53,15 @@ class AirflowServiceError(ServiceError):
 
 def default_home() -> Path:
     return CACHE_HOME / "airflow"
+
+
+def tracing_environment(settings: TracingConfig) -> dict[str, str]:
+    """With ``tracing.endpoint`` set, Airflow's own OpenTelemetry traces go there too: a span per DAG run and
+    one per task, under which the library's spans of that task nest (README "Tracing")."""
+    if not settings.endpoint:
+        return {}
+    return {"AIRFLOW__TRACES__OTEL_ON": "True", "OTEL_EXPORTER_OTLP_ENDPOINT": settings.endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "cagflow-airflow"}
 
 
 class LocalAirflow(ServerContext):
@@ -110,6 +119,7 @@ class LocalAirflow(ServerContext):
             "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": str(self.schedules),
         })
         env.update(self.extra_env)
+        env.update(tracing_environment(load_config(environ=env).tracing))
         return env
 
     # ---- lifecycle ------------------------------------------------------------------------------

@@ -34,6 +34,9 @@ class Answer:
     # milliseconds per stage (engine.Stages): prefix (the system turn: a snapshot, reused passage states or a
     # prefill), answer (question prefill and decoding), relevance (the check), reask (second attempts)
     stages_ms: dict[str, float] = field(default_factory=dict)
+    # the same stages as (stage, start, end) ``time.perf_counter()`` instants of the computing process, in order:
+    # its trace spans (inference.triton); meaningless elsewhere, so not in ``to_dict``
+    stage_laps: list[tuple[str, float, float]] = field(default_factory=list, repr=False)
 
     @property
     def decline_reason(self) -> str | None:
@@ -47,7 +50,9 @@ class Answer:
         return (len(self.token_ids) - 1) / decode_time if len(self.token_ids) > 1 and decode_time > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        record = asdict(self)
+        del record["stage_laps"]
+        return record
 
 
 def _answer_source(snapshot: Snapshot | None, context: Sequence[Passage] | None) -> str | None:

@@ -45,10 +45,12 @@ class Stages:
     def __init__(self, started: float):
         self.last = started
         self.ms: dict[str, float] = {}
+        self.laps: list[tuple[str, float, float]] = []  # (stage, start, end): the answer's trace spans
 
     def lap(self, stage: str) -> None:
         now = time.perf_counter()
         self.ms[stage] = round(self.ms.get(stage, 0.0) + (now - self.last) * 1000, 2)
+        self.laps.append((stage, self.last, now))
         self.last = now
 
 
@@ -334,7 +336,7 @@ class Engine:
             yield from decoded.rest(self.tokenizer)
             stages.lap("answer")
         answer.total_s = time.perf_counter() - started
-        answer.stages_ms = stages.ms
+        answer.stages_ms, answer.stage_laps = stages.ms, stages.laps
         yield answer
 
     def _answer_again(self, declined: Answer, question: str, snapshot: Snapshot | None,

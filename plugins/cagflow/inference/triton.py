@@ -20,10 +20,12 @@ import logging
 import socket
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .. import tracing
 from ..config import ConfigError
 from ..documents.parsing import ParsedDocument, parse_document_text
 from ..engine.engine import SnapshotMismatch
@@ -107,6 +109,7 @@ class Serving:
         configure_logging(settings.instance_name)
         metrics = TritonMetrics(pb_utils, settings.model_name, settings.instance_name)
         service = CagService.start(settings, listener=metrics)
+        tracing.setup("cagflow-triton", service.runtime.config.tracing)
         pool = ThreadPoolExecutor(settings.worker_threads, thread_name_prefix=settings.model_name)
         metrics.publish()
         return cls(settings, metrics, service, pool)
@@ -124,6 +127,7 @@ class Serving:
         self.pool.shutdown(wait=True)
         self.service.close()
         self.metrics.close()
+        tracing.shutdown()
 
 
 # ---- precompute -------------------------------------------------------------------------------------
@@ -223,6 +227,39 @@ def read_answer_request(pb_utils, request) -> AnswerRequest:
     )
 
 
+def trace_parent(request):
+    """The caller's trace context: the ``traceparent`` request parameter the router sends (none: a new trace)."""
+    try:
+        parameters = json.loads(request.parameters() or "{}")
+    except (ValueError, TypeError):
+        parameters = {}
+    value = parameters.get(tracing.TRACEPARENT) if isinstance(parameters, dict) else None
+    return tracing.context_from(value if isinstance(value, str) else None)
+
+
+def trace_answer(model_name: str, parent, received: float, result: ServedAnswer | BaseException) -> None:
+    """The model's span of one answer request, from its arrival in ``execute`` to now (so the wait for a thread,
+    a batch or an identical request in flight is inside it), and the engine's stages of a computed answer as
+    its children."""
+    span = tracing.TRACER.start_span(f"{model_name} answer", context=parent, kind=tracing.SpanKind.SERVER,
+                                     start_time=tracing.perf_to_ns(received))
+    if isinstance(result, BaseException):
+        tracing.failed(span, result)
+    else:
+        answer = result.answer
+        span.set_attributes({
+            "cagflow.route": answer.route, "cagflow.answer_source": result.source,
+            "cagflow.resident_hit": result.resident_hit, "cagflow.snapshot_key": answer.snapshot_key or "",
+            "cagflow.snapshot_load_ms": round(result.load_ms, 2), "cagflow.prompt_tokens": answer.prompt_tokens,
+            "cagflow.reused_tokens": answer.reused_tokens, "cagflow.generated_tokens": len(answer.token_ids),
+            "cagflow.ttft_ms": round(answer.ttft_s * 1000, 2), "cagflow.answered": answer.answered})
+        if result.source != ANSWER_CACHE:
+            context = tracing.context_of(span)
+            for stage, start, end in answer.stage_laps:
+                tracing.record_span(f"engine {stage}", start, end, parent=context)
+    span.end()
+
+
 def read_document_request(pb_utils, request) -> DocumentRequest:
     fields = {}
     for name in ("DOC_ID", "DOC_VERSION", "DOCUMENT"):
@@ -302,6 +339,7 @@ def error_response(pb_utils, exc: BaseException, request_id: str = ""):
 
 async def respond(pb_utils, serving: "Serving", requests) -> list:
     """``cag_llm``'s responses, one per request: reloads on their own, answers through ``answer_requests``."""
+    received = time.perf_counter()
     responses: list = [None] * len(requests)
     questions: dict[int, AnswerRequest] = {}
     reloads = []
@@ -318,6 +356,7 @@ async def respond(pb_utils, serving: "Serving", requests) -> list:
         responses[position] = response
     answers = await answer_requests(serving.service, serving.pool, list(questions.values()))
     for (position, question), result in zip(questions.items(), answers):
+        trace_answer(serving.settings.model_name, trace_parent(requests[position]), received, result)
         responses[position] = (error_response(pb_utils, result, question.request_id) if isinstance(result, Exception)
                                else pb_utils.InferenceResponse(output_tensors=answer_outputs(pb_utils, result)))
     return responses

@@ -12,6 +12,7 @@ from typing import Any
 
 from flask import Flask, Response, g, request
 
+from .. import tracing
 from ..config import ServiceConfig
 from . import metrics
 from .access import ApiError, ConcurrencyGate, RateLimiter, RedisRateLimiter, request_id_from
@@ -29,7 +30,8 @@ def _endpoint_label() -> str:
 
 
 def finish(status: int, outcome: dict[str, Any], error_code: str | None = None) -> None:
-    """Count the request and write its access-log line (for a stream: when the stream ends)."""
+    """Count the request, end its span and write its access-log line (for a stream: when the stream ends).
+    README "Logs" lists the line's fields."""
     elapsed_s = time.perf_counter() - g.started
     endpoint = _endpoint_label()
     metrics.REQUESTS.labels(endpoint, str(status)).inc()
@@ -37,14 +39,41 @@ def finish(status: int, outcome: dict[str, Any], error_code: str | None = None) 
     if error_code:
         metrics.ERRORS.labels(error_code).inc()
     snapshot = outcome.get("snapshot") or {}
-    line = {"ts": round(time.time(), 3), "request_id": g.request_id, "key_id": g.get("key_id"),
+    line = {"ts": round(time.time(), 3), "request_id": g.request_id, "trace_id": g.trace_id,
+            "key_id": g.get("key_id"), "key_name": g.get("key_name"),
             "method": request.method, "endpoint": endpoint, "status": status,
             "route": outcome.get("route"), "cache_hit": outcome.get("cache_hit"),
             "answered": outcome.get("answered"), "decline_reason": outcome.get("decline_reason"),
             "snapshot_key": snapshot.get("key"), "fallback_reason": outcome.get("fallback_reason"),
             "error_code": error_code, "latency_ms": round(elapsed_s * 1000, 2),
             "timings_ms": outcome.get("timings_ms")}
+    _end_span(status, line)
     access_log.info(json.dumps(line, ensure_ascii=False))
+
+
+def _start_span() -> None:
+    """The request's server span, child of the caller's ``traceparent`` when it sent one, current for
+    everything the request does in this thread (a stream's events included) until ``finish``."""
+    g.span = tracing.TRACER.start_span(f"{request.method} {_endpoint_label()}", kind=tracing.SpanKind.SERVER,
+                                       context=tracing.context_from(request.headers),
+                                       attributes={"http.request.method": request.method,
+                                                   "http.route": _endpoint_label(), "cagflow.request_id": g.request_id})
+    g.span_token = tracing.attach(g.span)
+    g.trace_id = tracing.trace_id(g.span)
+
+
+def _end_span(status: int, line: dict[str, Any]) -> None:
+    span = g.pop("span", None)
+    if span is None:
+        return
+    span.set_attribute("http.response.status_code", status)
+    for field in ("key_name", "route", "cache_hit", "answered", "decline_reason", "fallback_reason", "error_code"):
+        if line[field] is not None:
+            span.set_attribute(f"cagflow.{field}", line[field])
+    if status >= 500:
+        tracing.failed(span, line["error_code"] or f"HTTP {status}")
+    span.end()
+    tracing.detach(g.pop("span_token"))
 
 
 class Admission:
@@ -68,6 +97,7 @@ class Admission:
         g.outcome = {}
         g.error_code = None
         g.streaming = False
+        _start_span()
 
     def end_request(self, response: Response) -> Response:
         response.headers["X-Request-ID"] = g.request_id
@@ -86,7 +116,7 @@ class Admission:
             action = f"{request.method} {request.path[:200]}"
         self.audit.record(action, result, via="rest", target=g.get("audit_target"), reason=g.error_code,
                           key_id=g.get("key_id"), key_name=g.get("key_name"), remote_addr=request.remote_addr,
-                          request_id=g.request_id, detail=g.get("audit_detail"))
+                          request_id=g.request_id, trace_id=g.trace_id, detail=g.get("audit_detail"))
 
     def authenticate(self, admin: bool = False) -> ApiKey:
         """The request's key, once it is valid, unexpired, allowed here and within its rate limit."""

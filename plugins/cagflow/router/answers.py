@@ -12,7 +12,9 @@ import json
 import time
 from typing import Any
 
+from .. import tracing
 from ..answering.prompt import declined_answer
+from ..answering.quotes import quote
 from ..answering.record import answer_record
 from ..search.embeddings import Embedder
 from ..search.retrieval import SearchHit
@@ -23,9 +25,11 @@ from .planning import Plan, milliseconds
 from .releases import ReleaseTracker
 
 
-def _citations(hits: list[SearchHit]) -> list[dict[str, Any]]:
+def _citations(hits: list[SearchHit], answer: str | None = None, question: str = "") -> list[dict[str, Any]]:
+    """The passages as citations; with the ``answer`` they support, each with its ``quote`` (else null)."""
     return [{"doc_id": hit.doc_id, "chunk_id": hit.chunk_id, "title": hit.title, "section": hit.section,
-             "score": round(hit.score, 4)} for hit in hits]
+             "score": round(hit.score, 4), "quote": quote(answer, question, hit.text) if answer else None}
+            for hit in hits]
 
 
 def _timings(plan: Plan, outputs: dict[str, Any], started: float) -> dict[str, float]:
@@ -90,9 +94,9 @@ class AnswerAssembler:
             citations = []
         elif hits is None:
             citations = self._cite(plan, query, model_answer) if plan.doc_id else []
-            citations += _citations(plan.updates)
+            citations += _citations(plan.updates, model_answer, query.question)
         else:
-            citations = _citations(hits)
+            citations = _citations(hits, model_answer, query.question)
         timings = _timings(plan, outputs, started)
         _count(plan.route, timings, outputs, decline_reason, rules_fired)
         return answer_record(
@@ -105,7 +109,8 @@ class AnswerAssembler:
             release_id=outputs.get("RELEASE_ID") or None, finish_reason=outputs.get("FINISH_REASON"),
             timings_ms=timings, prompt_tokens=int(outputs.get("PROMPT_TOKENS", 0)),
             reused_tokens=int(outputs.get("REUSED_TOKENS", 0)),
-            generated_tokens=len(outputs.get("TOKEN_IDS", ())), request_id=request_id, rules_fired=rules_fired)
+            generated_tokens=len(outputs.get("TOKEN_IDS", ())), request_id=request_id, trace_id=tracing.trace_id(),
+            rules_fired=rules_fired)
 
     def declined(self, query: Query, request_id: str, plan: Plan, hits: list[SearchHit], fallback: str | None,
                  started: float) -> dict[str, Any]:
@@ -116,11 +121,13 @@ class AnswerAssembler:
                          decline_reason="no_relevant_passage")
 
     def _cite(self, plan: Plan, query: Query, answer: str) -> list[dict[str, Any]]:
-        """The chunk of the cached document closest to question and answer together."""
+        """The chunk of the cached document closest to question and answer together, with its quote."""
         started = time.perf_counter()
         citation = self.scope.cite(plan.doc_id, self.embedder.encode_query(f"{query.question}\n{answer}"))
         plan.record("cite", "embedding", started)
-        return [citation.to_dict()] if citation is not None else []
+        if citation is None:
+            return []
+        return [{**citation.to_dict(), "quote": quote(answer, query.question, citation.text)}]
 
     def _snapshot_info(self, key: str) -> dict[str, Any] | None:
         release = self.releases.current

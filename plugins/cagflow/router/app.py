@@ -19,6 +19,7 @@ import sys
 
 from flask import Flask
 
+from .. import tracing
 from ..config import Config, load_config
 from . import errors
 from .access import rate_limiter
@@ -53,6 +54,7 @@ def create_app(config: Config | None = None, *, router: Router | None = None,
     config = config or load_config()
     service = config.service
     _configure_logging()
+    tracing.setup("cagflow-router", config.tracing)
     router = router or Router.from_config(config).start()
     admission = Admission(service, keys or ApiKeyStore(service.api_keys_file), rate_limiter(service),
                           AuditLog(service.audit_log_file))

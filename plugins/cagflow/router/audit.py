@@ -40,14 +40,14 @@ class AuditLog:
 
     def record(self, action: str, result: str, *, via: str, target: str | None = None, reason: str | None = None,
                key_id: str | None = None, key_name: str | None = None, user: str | None = None,
-               remote_addr: str | None = None, request_id: str | None = None,
+               remote_addr: str | None = None, request_id: str | None = None, trace_id: str | None = None,
                detail: dict[str, Any] | None = None) -> dict[str, Any]:
         """Write one event; ``result`` is ``ok``, ``denied`` (authentication or role) or ``error``."""
         now = self._clock()
         event = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z",
                  "via": via, "action": action, "target": target, "result": result, "reason": reason,
                  "key_id": key_id, "key_name": key_name, "user": user, "remote_addr": remote_addr,
-                 "request_id": request_id, "detail": detail}
+                 "request_id": request_id, "trace_id": trace_id, "detail": detail}
         line = json.dumps(event)  # ASCII: a name holding a line separator cannot split the line
         log.info(line)
         if self.path is not None:

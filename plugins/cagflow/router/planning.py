@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import tracing
 from ..config import Config
 from ..search.embeddings import Embedder
 from ..search.retrieval import ChunkIndex, RetrievalError, SearchHit
@@ -74,9 +75,10 @@ class Plan:
         return self.route in ("cache", "cache+retrieval")
 
     def record(self, step: str, backend: str, started: float) -> None:
-        """The step's time in the answer's ``timings_ms``, and in the backend's latency metric."""
+        """The step's time in the answer's ``timings_ms``, in the backend's latency metric and as a span."""
         self.timings_ms[step] = milliseconds(started)
         metrics.BACKEND_SECONDS.labels(backend).observe(self.timings_ms[step] / 1000)
+        tracing.record_span(step, started, **{"cagflow.backend": backend})
 
 
 class Planner:
@@ -101,9 +103,12 @@ class Planner:
 
     def plan(self, query: Query) -> Plan:
         """The route, and on the cache route the newer passages that follow the snapshot."""
-        plan = self._route(query)
-        if plan.route == "cache":
-            self._find_updates(plan, query)
+        with tracing.TRACER.start_as_current_span("plan") as span:
+            plan = self._route(query)
+            if plan.route == "cache":
+                self._find_updates(plan, query)
+            span.set_attributes({"cagflow.route": plan.route, "cagflow.route_reason": plan.reason,
+                                 **({"cagflow.doc_id": plan.doc_id} if plan.doc_id else {})})
         return plan
 
     def _route(self, query: Query) -> Plan:
@@ -147,6 +152,7 @@ class Planner:
             return match
         finally:
             metrics.BACKEND_SECONDS.labels("opensearch").observe(time.perf_counter() - started)
+            tracing.record_span("rank", started, **{"cagflow.backend": "opensearch"})
         if not hits or hits[0].doc_id == match.doc_id or hits[0].doc_id not in in_release:
             return match
         ranked = self.scope.match(plan.vector, query.question, doc_id=hits[0].doc_id)

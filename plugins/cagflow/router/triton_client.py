@@ -19,6 +19,7 @@ import tritonclient.grpc as grpcclient  # imported with the router, not by its f
 from requests.adapters import HTTPAdapter
 from tritonclient.utils import InferenceServerException
 
+from .. import tracing
 from ..errors import CagflowError, split_code
 from . import metrics
 
@@ -78,6 +79,11 @@ class TritonClient:
         self._session.close()
 
     def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """POST ``body``; the current trace travels in its ``parameters`` (the model reads them; Triton's own
+        HTTP front end drops unknown headers)."""
+        parent = tracing.traceparent()
+        if parent:
+            body = {**body, "parameters": {tracing.TRACEPARENT: parent}}
         for attempt in range(self.retries + 1):
             try:
                 reply = self._session.post(self.base + path, json=body, timeout=(min(timeout_s, 3.0), timeout_s))
@@ -103,10 +109,12 @@ class TritonClient:
     def infer(self, model: str = ANSWER_MODEL, **values: Any) -> dict[str, Any]:
         """One request to ``model``; its outputs by name."""
         started = time.perf_counter()
-        try:
-            return _outputs(self._post(f"/v2/models/{model}/infer", {"inputs": _inputs(values)}, self.timeout_s))
-        finally:
-            metrics.BACKEND_SECONDS.labels("triton").observe(time.perf_counter() - started)
+        with tracing.TRACER.start_as_current_span(f"triton {model}", kind=tracing.SpanKind.CLIENT,
+                                                  attributes={"server.address": self.base}):
+            try:
+                return _outputs(self._post(f"/v2/models/{model}/infer", {"inputs": _inputs(values)}, self.timeout_s))
+            finally:
+                metrics.BACKEND_SECONDS.labels("triton").observe(time.perf_counter() - started)
 
     def reload(self, release_id: str | None) -> dict[str, Any]:
         """``ACTION=reload`` to ``cag_llm`` and ``cag_llm_stream`` (separate processes, separate release state)."""
@@ -154,10 +162,15 @@ class TritonClient:
         client = grpcclient.InferenceServerClient(self.grpc_url)
         responses: queue.Queue = queue.Queue()
         finished = False
+        # The span lasts until the final response; its context is the request's ``traceparent`` parameter.
+        span = tracing.TRACER.start_span(f"triton {model}", kind=tracing.SpanKind.CLIENT,
+                                         attributes={"server.address": self.grpc_url})
+        parent = tracing.traceparent(span)
         try:
             client.start_stream(callback=lambda result, error: responses.put((result, error)))
             try:
-                client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+                client.async_stream_infer(model, inputs, enable_empty_final_response=True,
+                                          parameters={tracing.TRACEPARENT: parent} if parent else None)
             except InferenceServerException as exc:  # the stream broke; its cause went to the callback
                 try:
                     _, cause = responses.get(timeout=1.0)
@@ -178,8 +191,16 @@ class TritonClient:
                     finished = True
                     return
         except InferenceServerException as exc:
-            raise _stream_error(exc, self.grpc_url) from None
+            error = _stream_error(exc, self.grpc_url)
+            tracing.failed(span, error)
+            raise error from None
+        except (TritonUnavailable, TritonRejected) as exc:
+            tracing.failed(span, exc)
+            raise
         finally:
+            if not finished:
+                span.set_attribute("cagflow.cancelled", True)
+            span.end()
             # A timed-out or abandoned stream (the client went away) is cancelled, not waited for.
             stream = client._stream
             client.stop_stream(cancel_requests=not finished)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
@@ -101,16 +101,19 @@ def _best(matrix: np.ndarray, vector: np.ndarray) -> tuple[int, float]:
 
 @dataclass(frozen=True)
 class Citation:
-    """The chunk of a cached document an answer came from."""
+    """The chunk of a cached document an answer came from; ``text`` is for quoting it, not for the record."""
 
     doc_id: str
     chunk_id: str
     title: str
     section: str
     score: float
+    text: str = field(default="", repr=False)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "score": round(self.score, 4)}
+        record = {**asdict(self), "score": round(self.score, 4)}
+        del record["text"]
+        return record
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,8 @@ class ScopeDetector:
         """The chunk of ``doc_id`` closest to ``vector`` (the embedding of question and answer together), or
         None when the detector holds no chunk of that document."""
         chunk, score = _closest_cacheable(self._vectors, _unit_rows(np.asarray(vector, dtype=np.float32)), doc_id)
-        return None if chunk is None else Citation(chunk.doc_id, chunk.chunk_id, chunk.title, chunk.section, score)
+        return None if chunk is None else Citation(chunk.doc_id, chunk.chunk_id, chunk.title, chunk.section, score,
+                                                   chunk.text)
 
 
 def _closest_cacheable(held: _Vectors, unit: np.ndarray, doc_id: str | None) -> tuple[Chunk | None, float]:

@@ -16,7 +16,8 @@ from cagflow.store.manifests import CorpusManifest
 # The REST API's answer record, as the README documents it; ``ask --local --json`` prints the same.
 ANSWER_FIELDS = {"answer", "answered", "decline_reason", "route", "route_reason", "cache_hit", "fallback_reason",
                  "snapshot", "citations", "suggestions", "unsupported_figures", "scope_score", "best_score", "relevance",
-                 "answer_source", "release_id", "finish_reason", "timings_ms", "tokens", "request_id", "rules_fired"}
+                 "answer_source", "release_id", "finish_reason", "timings_ms", "tokens", "request_id", "trace_id",
+                 "rules_fired"}
 
 
 def run(capsys, *argv):

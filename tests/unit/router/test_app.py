@@ -395,3 +395,35 @@ def test_no_key_or_key_hash_reaches_the_logs_or_the_audit_log(keys):
     hashes = [record["sha256"] for record in json.loads(store.path.read_text())["keys"]]
     for text in (logged, audit):
         assert not [secret for secret in secrets + hashes if secret in text]
+
+
+CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+def test_each_request_is_a_server_span_joined_to_the_callers_trace(client, access_lines, finished_spans, stream):
+    """The caller's ``traceparent`` is the parent; the span ends with the response (a stream's last event), and
+    its trace id is in the access-log line."""
+    test_client, _, user, _ = client
+    response = test_client.post("/v1/query", json={"question": "Which port?", "stream": stream},
+                                headers={**user, "traceparent": f"00-{CALLER_TRACE}-b7ad6b7169203331-01"})
+    assert response.status_code == 200 and "8443" in response.get_data(as_text=True)
+    [span] = [span for span in finished_spans() if span.name == "POST /v1/query"]
+    assert span.parent.span_id == 0xb7ad6b7169203331 and format(span.context.trace_id, "032x") == CALLER_TRACE
+    assert span.attributes["http.response.status_code"] == 200 and span.attributes["cagflow.route"] == "cache"
+    assert span.attributes["cagflow.key_name"] == "user"
+    [line] = access_lines()
+    assert line["trace_id"] == CALLER_TRACE and line["key_name"] == "user"
+
+
+def test_a_refused_request_is_a_span_too_and_its_trace_is_in_the_audit_log(client, access_lines, finished_spans):
+    test_client, _, user, _ = client
+    response = test_client.post("/admin/reload", headers=user)
+    assert response.status_code == 403
+    [span] = finished_spans()
+    assert span.name == "POST /admin/reload" and span.attributes["cagflow.error_code"] == "forbidden"
+    trace_id = format(span.context.trace_id, "032x")
+    assert access_lines()[0]["trace_id"] == trace_id
+    [event] = [json.loads(line) for line in client[0].application.extensions["cagflow_router"].admission.audit
+               .path.read_text().splitlines()]
+    assert event["trace_id"] == trace_id and event["result"] == "denied"

@@ -9,7 +9,7 @@ import pytest
 from cagflow.router.audit import AuditLog
 
 FIELDS = {"ts", "via", "action", "target", "result", "reason", "key_id", "key_name", "user", "remote_addr",
-          "request_id", "detail"}
+          "request_id", "trace_id", "detail"}
 
 
 def lines(path):

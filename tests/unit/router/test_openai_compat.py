@@ -27,10 +27,10 @@ OFF_TOPIC = "Can you give me a recipe for banana bread?"  # declined without the
 INVENTED = "What does the gateway cost?"  # the model's text streams, then is held unsupported
 BREAKS = "Triton goes away mid-answer"
 CITATION = {"doc_id": "gateway-manual", "chunk_id": "gateway-manual#3", "title": "Gateway manual",
-            "section": "Ports", "score": 0.91}
+            "section": "Ports", "score": 0.91, "quote": "The web console listens on port 8443 (HTTPS)."}
 CHINESE = "网页控制台使用哪个端口？"  # answered in Chinese, from a Chinese section
 CHINESE_CITATION = {"doc_id": "gateway-manual-zh", "chunk_id": "gateway-manual-zh#3", "title": "网关手册",
-                    "section": "端口", "score": 0.9}
+                    "section": "端口", "score": 0.9, "quote": "网页控制台监听 8443 端口。"}
 # question -> (the text pieces streamed, answer_record fields)
 SCENARIOS = {
     OFF_TOPIC: ([declined_answer(OFF_TOPIC)], {"model_answer": declined_answer(OFF_TOPIC), "answered": False,

@@ -48,7 +48,8 @@ def test_an_answer_streams_with_its_sources_route_and_time_to_first_token(router
     browser.open(f"{url}/")
     browser.type("#key", key)
     ask(browser, compat.QUESTION)
-    page = browser.wait_for_text("Port 8443.", "Gateway manual — Ports", "gateway-manual", "Time to first token")
+    page = browser.wait_for_text("Port 8443.", "Gateway manual — Ports", "gateway-manual", "Time to first token",
+                                 "The web console listens on port 8443 (HTTPS).")  # the citation's quote
     assert "Route\ncache\nCache hit\nyes\nTime to first token\n5 ms" in page  # the record's, as facts
     assert browser.run("return [sessionStorage.getItem('cagflow.apiKey'), localStorage.length]") == [key, 0]
     assert browser.screenshot(tmp_path / "web-page.png").read_bytes().startswith(PNG)
@@ -60,7 +61,8 @@ def test_an_answer_streams_with_its_sources_route_and_time_to_first_token(router
 def test_a_chinese_question_is_answered_in_chinese(router, browser):
     url, key = router
     ask(browser, compat.CHINESE)
-    browser.wait_for_text("网页控制台使用端口 8443。", "网关手册 — 端口", "gateway-manual-zh")
+    browser.wait_for_text("网页控制台使用端口 8443。", "网关手册 — 端口", "gateway-manual-zh",
+                          "网页控制台监听 8443 端口。")
     assert browser.run("return document.getElementById('answer').lang") == "zh"
     browser.click("#labels")
     browser.wait_for_text("问题", "提问")

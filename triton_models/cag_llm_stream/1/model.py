@@ -2,6 +2,7 @@
 then sends the final record; ``ACTION=reload`` switches releases. The logic lives in ``cagflow.inference``."""
 
 import asyncio
+import time
 from contextlib import aclosing
 
 import triton_python_backend_utils as pb_utils
@@ -23,6 +24,7 @@ class TritonPythonModel:
     async def _stream(self, request):
         sender = request.get_response_sender()
         request_id = request.request_id()
+        received, answered = time.perf_counter(), False
         try:
             if tb.read_action(pb_utils, request) == "reload":
                 sender.send(await self.serving.reload_response(pb_utils, request), flags=FINAL)
@@ -40,7 +42,11 @@ class TritonPythonModel:
                     else:
                         outputs = tb.answer_outputs(pb_utils, item)
                         sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
+                        answered = True
+                        tb.trace_answer(self.serving.settings.model_name, tb.trace_parent(request), received, item)
         except Exception as exc:
+            if not answered:
+                tb.trace_answer(self.serving.settings.model_name, tb.trace_parent(request), received, exc)
             sender.send(tb.error_response(pb_utils, exc, request_id), flags=FINAL)
         finally:
             self.serving.metrics.publish()

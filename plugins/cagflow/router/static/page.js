@@ -45,6 +45,12 @@ function source(citation) {
   item.lang = languageOf(item.textContent);
   where.textContent = citation.doc_id;
   item.append(where);
+  if (citation.quote) {  // the sentence the answer was drawn from
+    const evidence = document.createElement("q");
+    evidence.textContent = citation.quote;
+    evidence.lang = languageOf(citation.quote);
+    item.append(evidence);
+  }
   return item;
 }
 
