@@ -5,7 +5,9 @@ everything stopped by the command line."""
 
 from __future__ import annotations
 
+import json
 import os
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 from cagflow.devstack import webdriver
 from cagflow.devstack.airflow import LocalAirflow, main
+from cagflow.devstack.jaeger import LocalJaeger
 from cagflow.store.backends import LocalStore
 from cagflow.store.manifests import load_release
 
@@ -59,11 +62,35 @@ def look_at_the_ui(airflow: LocalAirflow, artifacts: Path, profile: Path) -> lis
         browser.close()
 
 
+def task_span_name(ti: dict, kind: str = "task_run") -> str:
+    return f"{kind}.{ti['task_id']}" + (f"[{ti['map_index']}]" if ti["map_index"] >= 0 else "")
+
+
+def run_trace(jaeger: LocalJaeger, instances: list[dict], timeout_s: float = 30.0) -> tuple[dict, dict[str, dict]]:
+    """The DAG run's trace in the collector, once it holds the run's own span and one per task instance: the run's
+    span, and every span by name."""
+    expected = {task_span_name(ti, kind) for ti in instances for kind in ("task_run", "worker")}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for found in jaeger.traces("cagflow-airflow"):
+            spans = {span["operationName"]: span for span in found["spans"]}
+            roots = [span for span in found["spans"] if not span["references"]]
+            if expected <= spans.keys() and roots:
+                return roots[0], spans
+        if time.monotonic() > deadline:
+            held = [[span["operationName"] for span in found["spans"]] for found in jaeger.traces("cagflow-airflow")]
+            pytest.fail(f"no trace with a DAG run span and {sorted(expected)} in {timeout_s:.0f} s: {held}")
+        time.sleep(0.5)
+
+
 def test_a_run_triggered_through_the_rest_api_succeeds(tmp_path, tiny_model_dir, opensearch_url, artifacts,
                                                       record_property, sample_subset):
     home, store_dir = tmp_path / "airflow", tmp_path / "store"
     manifest = sample_subset(tmp_path / "corpus", FIXED_DOCS)
+    jaeger = LocalJaeger(tmp_path / "jaeger")
+    jaeger.start()
     settings = {
+        "CAGFLOW__TRACING__ENDPOINT": jaeger.otlp_endpoint,  # Airflow's own traces, as `make run TRACING=1` has them
         "CAGFLOW__CORPUS__MANIFEST": str(manifest),
         "CAGFLOW__MODEL__PATH": str(tiny_model_dir),
         "CAGFLOW__CACHE__STATE_STORE": f"file://{store_dir}",
@@ -103,6 +130,12 @@ def test_a_run_triggered_through_the_rest_api_succeeds(tmp_path, tiny_model_dir,
         assert any(old is not None for _, old, _ in changes)  # seen before it finished, not only at the end
         release = load_release(LocalStore(store_dir))
         assert sorted(release.doc_ids) == mapped
+        run_span, spans = run_trace(jaeger, instances)
+        for ti in instances:  # each task a span under the run's, its work in the worker a span under the task's
+            task = spans[task_span_name(ti)]
+            assert task["references"][0]["spanID"] == run_span["spanID"] and task["duration"] > 0
+            assert spans[task_span_name(ti, "worker")]["references"][0]["spanID"] == task["spanID"]
+        assert run_id in json.dumps(run_span["tags"]), run_span
 
         backfill = airflow.api("POST", "/backfills/dry_run", {"dag_id": DAG_ID, "from_date": "2026-11-20T00:00:00Z",
                                                               "to_date": "2026-11-23T00:00:00Z"})
@@ -126,3 +159,4 @@ def test_a_run_triggered_through_the_rest_api_succeeds(tmp_path, tiny_model_dir,
         assert main(["--home", str(home), "status"]) == 3
     finally:
         airflow.stop()
+        jaeger.stop()

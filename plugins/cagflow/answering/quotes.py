@@ -8,13 +8,14 @@ Nothing is quoted when no sentence shares a word with the answer: a quote must b
 
 from __future__ import annotations
 
-from ..documents.text import overlap_scores, sentences
+from ..documents.text import overlap_scores, sentences, terms
 
-MAX_QUOTE_CHARS = 400  # a table row or a run-on line is cut here, with an ellipsis
+MAX_QUOTE_CHARS = 400  # a table row or a run-on line is cut to this, around the words the answer shares
 
 
 def quote(answer: str, question: str, text: str) -> str | None:
-    """The sentence of ``text`` that supports ``answer`` best, verbatim (cut at ``MAX_QUOTE_CHARS``), or None."""
+    """The sentence of ``text`` that supports ``answer`` best, verbatim (a longer one cut to ``MAX_QUOTE_CHARS``
+    around the first word it shares with the answer), or None."""
     found = sentences(text)
     if not found or not answer.strip():
         return None
@@ -23,5 +24,15 @@ def quote(answer: str, question: str, text: str) -> str | None:
     best = max(range(len(found)), key=lambda i: (by_answer[i], by_question[i], -i))
     if by_answer[best] <= 0:
         return None
-    sentence = found[best]
-    return sentence if len(sentence) <= MAX_QUOTE_CHARS else sentence[:MAX_QUOTE_CHARS - 1].rstrip() + "…"
+    return _window(found[best], terms(answer) & terms(found[best]))
+
+
+def _window(sentence: str, shared: set[str]) -> str:
+    if len(sentence) <= MAX_QUOTE_CHARS:
+        return sentence
+    lowered = sentence.lower()
+    first = min((lowered.find(term) for term in shared if term in lowered), default=0)
+    room = MAX_QUOTE_CHARS - 2  # an ellipsis at either end at most
+    start = max(0, min(first - room // 3, len(sentence) - room))
+    end = min(len(sentence), start + room)
+    return ("…" if start else "") + sentence[start:end] + ("…" if end < len(sentence) else "")

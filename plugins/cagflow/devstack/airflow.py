@@ -61,7 +61,9 @@ def tracing_environment(settings: TracingConfig) -> dict[str, str]:
     if not settings.endpoint:
         return {}
     return {"AIRFLOW__TRACES__OTEL_ON": "True", "OTEL_EXPORTER_OTLP_ENDPOINT": settings.endpoint,
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "cagflow-airflow"}
+            "OTEL_TRACES_EXPORTER": "otlp_proto_http",  # Airflow's default, "otlp", is gRPC
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "cagflow-airflow",
+            "OTEL_BSP_SCHEDULE_DELAY": "1000"}  # ms: a finished task's spans leave within a second
 
 
 class LocalAirflow(ServerContext):

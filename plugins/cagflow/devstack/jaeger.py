@@ -117,6 +117,15 @@ class LocalJaeger(ServerContext):
         data = reply.json().get("data") or []
         return data[0] if data else None
 
+    def traces(self, service: str, limit: int = 100, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        """The latest traces holding spans of ``service`` (none while it sent nothing)."""
+        reply = requests.get(f"{self.ui_url}/api/traces", params={"service": service, "limit": limit},
+                             timeout=timeout_s)
+        if reply.status_code == 404:
+            return []
+        reply.raise_for_status()
+        return reply.json().get("data") or []
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self._server.stop(timeout_s)
 
