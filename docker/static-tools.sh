@@ -86,23 +86,22 @@ timed() {
   echo "static-tools.sh: done in $((SECONDS - start)) s"
 }
 
-if [ "${1:-}" = prometheus ]; then
-  if [ ! -x "$PROMETHEUS" ]; then
-    timed "building prometheus $PROMETHEUS_VERSION from the Go module proxy (once, ~5 min on 2 cores): $PROMETHEUS" \
-      go_build github.com/prometheus/prometheus "$PROMETHEUS_VERSION" ./cmd/prometheus "$PROMETHEUS" "" >&2
+# `static-tools.sh prometheus|jaeger`: that one server, built when missing; its path is printed.
+server_on_demand() {
+  local name=$1 path=$2 module=$3 version=$4 package=$5 minutes=$6
+  if [ ! -x "$path" ]; then
+    timed "building $name $version from the Go module proxy (once, ~$minutes min on 2 cores): $path" \
+      go_build "$module" "$version" "$package" "$path" "" >&2
   fi
-  echo "$PROMETHEUS"
+  echo "$path"
   exit 0
-fi
+}
 
-if [ "${1:-}" = jaeger ]; then
-  if [ ! -x "$JAEGER" ]; then
-    timed "building jaeger $JAEGER_VERSION from the Go module proxy (once, ~10 min on 2 cores): $JAEGER" \
-      go_build github.com/jaegertracing/jaeger "$JAEGER_VERSION" ./cmd/jaeger "$JAEGER" "" >&2
-  fi
-  echo "$JAEGER"
-  exit 0
-fi
+case "${1:-}" in
+  prometheus) server_on_demand prometheus "$PROMETHEUS" github.com/prometheus/prometheus "$PROMETHEUS_VERSION" \
+                ./cmd/prometheus 5 ;;
+  jaeger) server_on_demand jaeger "$JAEGER" github.com/jaegertracing/jaeger "$JAEGER_VERSION" ./cmd/jaeger 10 ;;
+esac
 
 if [ ! -x "$COMPOSE" ]; then
   timed "building docker compose $COMPOSE_VERSION from the Go module proxy (once, ~2.5 min on 2 cores): $COMPOSE" \

@@ -43,7 +43,8 @@ def _reply_fields(reply: dict, seconds: float) -> dict:
             "decline_reason": reply.get("decline_reason"), "rules_fired": reply.get("rules_fired", []),
             "seconds": seconds, "ttft_s": (reply.get("timings_ms") or {}).get("ttft", 0.0) / 1000,
             "timings_ms": reply.get("timings_ms") or {}, "tokens": reply.get("tokens") or {},
-            "computed": reply.get("answer_source") in (None, "computed")}
+            "computed": reply.get("answer_source") in (None, "computed"),
+            "quotes": [item.get("quote") for item in reply.get("citations", [])]}
 
 
 def score(question: DatasetQuestion, asked: dict, texts: dict[str, str]) -> dict:
@@ -55,7 +56,10 @@ def score(question: DatasetQuestion, asked: dict, texts: dict[str, str]) -> dict
     contains = scoring.contains_gold(question.answers, answer, question.language) if answer else False
     sources = [texts.get(doc_id, "") for doc_id in asked["sources"]]
     unsupported = scoring.unsupported_figures(answer, question.question, sources) if answer else []
-    return {**asked, "contains": contains,
+    # the evidence shown with a right answer: does a citation's quote hold a gold answer too?
+    quoted = contains and any(scoring.contains_gold(question.answers, text, question.language)
+                              for text in asked.get("quotes") or [] if text)
+    return {**asked, "contains": contains, "quoted_gold": quoted,
             "exact": scoring.exact_match(question.answers, answer, question.language) if answer else False,
             "f1": scoring.f1(question.answers, answer, question.language) if answer else 0.0,
             "right": contains if question.answerable else not asked["answered"], "unsupported": unsupported}
@@ -108,6 +112,7 @@ def _cell(answers: list[dict]) -> dict | None:
             "exact": sum(answer["exact"] for answer in answers),
             "f1": statistics.fmean(answer["f1"] for answer in answers),
             "unsupported": sum(bool(answer["unsupported"]) for answer in answered),
+            "quoted_gold": sum(bool(answer.get("quoted_gold")) for answer in answers),
             "p50_ttft_s": _median([answer["ttft_s"] for answer in computed if answer.get("ttft_s")]),
             "p50_s": _median([answer["seconds"] for answer in computed]),
             "p50_stages_ms": stage_breakdown([answer.get("timings_ms") or {} for answer in computed]),
@@ -204,6 +209,9 @@ def print_summary(title: str, summary: dict) -> None:
         for route in ROUTES:
             if cells[route] is not None and cells[route]["p50_stages_ms"]:
                 print(f"{'':<22}{route} p50 ms by stage: {format_breakdown(cells[route]['p50_stages_ms'])}")
+            if cells[route] is not None and cells[route]["right"] and group.endswith("answerable"):
+                print(f"{'':<22}{route}: a quote holds the gold answer for {cells[route]['quoted_gold']} of "
+                      f"{cells[route]['right']} right answers")
     print(f"wrong-document cache routes: {len(summary['wrong_document_cache_routes'])} "
           f"{summary['wrong_document_cache_routes']}")
 

@@ -84,12 +84,15 @@ def _print_answer(number: int, total: int, item: QAItem, reply: dict) -> None:
         label = "cites    " if reply.get("citations") else "see also "
         print(f"  {label}: " + "; ".join(" — ".join(part for part in (c.get("title"), c.get("section")) if part)
                                         or c.get("doc_id", "") for c in citations[:3]))
+        if citations[0].get("quote"):
+            print(f"  quote    : \u201c{citations[0]['quote']}\u201d")  # the evidence of the first source
     print(f"  route    : {reply.get('route')} · cache hit {'yes' if reply.get('cache_hit') else 'no'}"
           f" · fallback {reply.get('fallback_reason') or '-'}"
           + (f" · snapshot {snapshot['key']}" if snapshot.get("key") else "")
           + (f" · answer from {reply['answer_source']}" if reply.get("answer_source") else ""))
     stages = " · ".join(f"{stage} {_ms(timings.get(stage))}" for stage in ("route", "search", "ttft", "total"))
-    print(f"  timings  : {stages} · request {reply.get('request_id', '-')}")
+    print(f"  timings  : {stages} · request {reply.get('request_id', '-')}"
+          + (f" · trace {reply['trace_id']}" if reply.get("trace_id") else ""))
 
 
 STAGES = ("triton_wait", "model_prefix", "model_answer", "model_relevance", "model_reask")

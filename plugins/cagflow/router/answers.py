@@ -14,7 +14,7 @@ from typing import Any
 
 from .. import tracing
 from ..answering.prompt import declined_answer
-from ..answering.quotes import quote
+from ..answering.quotes import best_supported, quote
 from ..answering.record import answer_record
 from ..search.embeddings import Embedder
 from ..search.retrieval import SearchHit
@@ -23,6 +23,9 @@ from . import metrics
 from .access import Query
 from .planning import Plan, milliseconds
 from .releases import ReleaseTracker
+
+
+CITATION_CANDIDATES = 3  # a cache answer's citation: the best supported of the document's 3 closest chunks
 
 
 def _citations(hits: list[SearchHit], answer: str | None = None, question: str = "") -> list[dict[str, Any]]:
@@ -121,12 +124,15 @@ class AnswerAssembler:
                          decline_reason="no_relevant_passage")
 
     def _cite(self, plan: Plan, query: Query, answer: str) -> list[dict[str, Any]]:
-        """The chunk of the cached document closest to question and answer together, with its quote."""
+        """Of the cached document's chunks closest to question and answer together, the one holding the
+        sentence that supports the answer most, with that sentence as its quote."""
         started = time.perf_counter()
-        citation = self.scope.cite(plan.doc_id, self.embedder.encode_query(f"{query.question}\n{answer}"))
+        candidates = self.scope.candidates(plan.doc_id, self.embedder.encode_query(f"{query.question}\n{answer}"),
+                                           CITATION_CANDIDATES)
         plan.record("cite", "embedding", started)
-        if citation is None:
+        if not candidates:
             return []
+        citation = candidates[best_supported(answer, [candidate.text for candidate in candidates])]
         return [{**citation.to_dict(), "quote": quote(answer, query.question, citation.text)}]
 
     def _snapshot_info(self, key: str) -> dict[str, Any] | None:

@@ -218,9 +218,19 @@ class ScopeDetector:
     def cite(self, doc_id: str, vector: Sequence[float] | np.ndarray) -> Citation | None:
         """The chunk of ``doc_id`` closest to ``vector`` (the embedding of question and answer together), or
         None when the detector holds no chunk of that document."""
-        chunk, score = _closest_cacheable(self._vectors, _unit_rows(np.asarray(vector, dtype=np.float32)), doc_id)
-        return None if chunk is None else Citation(chunk.doc_id, chunk.chunk_id, chunk.title, chunk.section, score,
-                                                   chunk.text)
+        closest = self.candidates(doc_id, vector, 1)
+        return closest[0] if closest else None
+
+    def candidates(self, doc_id: str, vector: Sequence[float] | np.ndarray, count: int) -> list[Citation]:
+        """The ``count`` chunks of ``doc_id`` closest to ``vector``, closest first (the citation's candidates)."""
+        held = self._vectors
+        rows = [row for row, chunk in enumerate(held.cacheable_chunks) if chunk.doc_id == doc_id]
+        if not rows:
+            return []
+        similarities = _dot(held.cacheable[rows], _unit_rows(np.asarray(vector, dtype=np.float32)))
+        closest = np.argsort(-similarities, kind="stable")[:count]
+        return [Citation(chunk.doc_id, chunk.chunk_id, chunk.title, chunk.section, float(similarities[index]),
+                         chunk.text) for index in closest for chunk in [held.cacheable_chunks[rows[index]]]]
 
 
 def _closest_cacheable(held: _Vectors, unit: np.ndarray, doc_id: str | None) -> tuple[Chunk | None, float]:

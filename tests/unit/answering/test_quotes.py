@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cagflow.answering.quotes import MAX_QUOTE_CHARS, quote
+from cagflow.answering.quotes import MAX_QUOTE_CHARS, best_supported, quote
 
 MANUAL = ("The gateway exposes three ports. The web console listens on port 8443 (HTTPS). "
           "The API listens on port 9441. Ports can be changed in gateway.yaml.")
@@ -12,6 +12,16 @@ def test_the_sentence_holding_the_answers_rare_words_is_quoted():
     assert quote("Port 8443.", "Which port does the web console use?", MANUAL) == \
         "The web console listens on port 8443 (HTTPS)."
     assert quote("9441", "Which port does the API use?", MANUAL) == "The API listens on port 9441."
+
+
+def test_the_row_holding_the_answers_figures_beats_a_sentence_sharing_more_words():
+    section = ("Acknowledgement targets are measured from the moment the first page is sent.\n\n"
+               "| Severity | Acknowledge within | Status page update interval |\n|---|---|---|\n"
+               "| SEV1 | 5 minutes | Every 30 minutes |\n| SEV2 | 15 minutes | Every 60 minutes |\n\n"
+               "An incident commander must be assigned within 10 minutes of a SEV1 being declared.")
+    assert quote("The on-call engineer must acknowledge a SEV1 page within 5 minutes.",
+                 "How fast must the on-call engineer acknowledge a SEV1 page?", section) == \
+        "| SEV1 | 5 minutes | Every 30 minutes |"
 
 
 def test_among_equal_sentences_the_one_closer_to_the_question_wins():
@@ -36,3 +46,12 @@ def test_a_run_on_line_is_cut_around_the_answers_words():
                        ("| " + " | ".join(cells) + " | 8443 |", "| 8443 |")):
         quoted = quote("8443", "Which port?", row)
         assert len(quoted) <= MAX_QUOTE_CHARS and keeps in quoted and "…" in quoted
+
+
+def test_the_citation_is_the_candidate_holding_the_answers_evidence():
+    closest = "An incident commander must be assigned within 10 minutes of a SEV1 being declared."
+    table = "| Severity | Acknowledge within |\n|---|---|\n| SEV1 | 5 minutes |\n| SEV2 | 15 minutes |"
+    answer = "The on-call engineer must acknowledge a SEV1 page within 5 minutes."
+    assert best_supported(answer, [closest, table, "Postmortems are blameless."]) == 1
+    assert best_supported("Forty-two.", [closest, table]) == 0  # nothing shared: the closest by meaning
+    assert best_supported(answer, []) == 0
