@@ -20,7 +20,7 @@ import requests
 import yaml
 from cagflow.cli import main as cli_main
 from cagflow.config import Config, load_config
-from cagflow.answering.prompt import DECLINED_ANSWER
+from cagflow.answering.prompt import DECLINED_ANSWER, declined_answer
 from cagflow.devstack.jaeger import LocalJaeger
 from cagflow.devstack.process import ServerProcess, free_port, hold_port
 from cagflow.devstack.triton import LocalTriton
@@ -253,6 +253,20 @@ def test_the_openai_package_asks_the_real_router(router, keys):
     assert final.choices[0].finish_reason == "content_filter" or text.strip() == record["answer"]
     if record["answered"]:
         assert [citation["doc_id"] for citation in record["citations"]] == [IN_SCOPE[1]]
+
+
+def test_langchain_gets_answers_with_their_sources_from_the_real_router(router, keys):
+    """LangChain's ChatOpenAI keeps only the message's text: asked for, the sources and their quotes follow the
+    answer there (a decline has none), whole and streamed alike."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="cagflow", base_url=f"{router[0]}/v1", api_key=keys[1]["Authorization"].split()[1],
+                     max_retries=0, max_tokens=MAX_NEW_TOKENS, extra_body={"cagflow": {"sources": "text", "top_k": 3}})
+    whole = llm.invoke(OUT_OF_SCOPE).content
+    if whole != declined_answer(OUT_OF_SCOPE):  # the tiny model's relevance check may decline
+        answer, sources = whole.split("\n\nSources:\n")
+        assert answer and re.match(r"\[1\] .+ — .+", sources) and len(sources.splitlines()) == 3
+        assert "".join(piece.content for piece in llm.stream(OUT_OF_SCOPE)) == whole
 
 
 def test_an_alarm_only_a_release_note_names_goes_to_retrieval(router, keys):

@@ -20,7 +20,8 @@ from .access import ApiError, Query, parse_query
 ALIAS = "cagflow"  # always names the configured model, so a client's setting survives a model change
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 HONOURED = ("model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "cagflow")
-CAGFLOW_OPTIONS = ("doc_id", "top_k", "route")  # /v1/query's own options, as an extra request object
+CAGFLOW_OPTIONS = ("doc_id", "top_k", "route", "sources")  # /v1/query's own options, and where sources go
+SOURCES = ("record", "text")  # the sources in the cagflow record only, or also after the answer's text
 
 
 def _number(low: float, high: float) -> Callable[[Any], bool]:
@@ -71,6 +72,7 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 class ChatRequest:
     query: Query
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
+    sources_in_text: bool = False  # cagflow.sources "text": for clients that keep only the message's text
 
 
 def _invalid(message: str, param: str | None) -> ApiError:
@@ -172,9 +174,12 @@ def parse_chat(body: Any, limits: ServiceConfig, served: str) -> ChatRequest:
     stream = body.get("stream") if body.get("stream") is not None else False
     include_usage = _include_usage(body, stream)
     options = _options(body)
+    sources = options.pop("sources", "record")
+    if sources not in SOURCES:
+        raise _invalid(f"cagflow.sources must be one of {', '.join(SOURCES)}, got {sources!r}", "cagflow.sources")
     fields = {"question": question, "stream": stream, "max_new_tokens": max_tokens, **options}
     try:
-        return ChatRequest(parse_query(fields, limits), include_usage)
+        return ChatRequest(parse_query(fields, limits), include_usage, sources == "text")
     except ApiError as exc:  # our field names, as the client sent them
         if exc.param == "question":
             exc.message = f"the last message (the question): {exc.message}"

@@ -5,6 +5,8 @@ A chat request becomes the same ``Query`` as ``POST /v1/query`` (``chat_requests
 ``handlers.answer``: the same keys, rate limits, concurrency cap, routing and answer policy. A decline is an
 ordinary assistant message (the decline sentence). The ``/v1/query`` answer body travels whole as the extra
 top-level ``cagflow`` object, which OpenAI clients ignore; in a stream, in the chunk with ``finish_reason``.
+A client that keeps only the message's text (LangChain's ``ChatOpenAI``, chat front ends) asks for
+``"cagflow": {"sources": "text"}`` and gets the sources with their quotes after the answer (``sources_text``).
 Errors take OpenAI's shape (``errors``).
 """
 
@@ -16,6 +18,7 @@ from typing import Any, Iterable
 
 from flask import Blueprint, Response, g
 
+from ..documents.text import language
 from .access import ApiError
 from .chat_requests import ALIAS, model_id, parse_chat
 from .errors import json_response
@@ -38,11 +41,30 @@ def _usage(record: dict[str, Any]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": tokens.get("reused", 0)}}
 
 
-def completion(record: dict[str, Any], model: str, created: int) -> dict[str, Any]:
+def sources_text(record: dict[str, Any]) -> str:
+    """An answer's citations as text to follow it, numbered, each with its quote; empty for a decline.
+
+    Sources:
+    [1] Operations and Incident Response Policy — Acknowledgement and escalation: “| SEV1 | 5 minutes | … |”
+    """
+    if not record.get("answered") or not record.get("citations"):
+        return ""
+    chinese = language(record["answer"]) == "zh"
+    lines = ["来源：" if chinese else "Sources:"]
+    for number, citation in enumerate(record["citations"], start=1):
+        where = " — ".join(part for part in (citation.get("title"), citation.get("section")) if part) \
+            or citation["doc_id"]
+        quote = citation.get("quote")
+        lines.append(f"[{number}] {where}" + (f"{'：' if chinese else ': '}\u201c{quote}\u201d" if quote else ""))
+    return "\n\n" + "\n".join(lines)
+
+
+def completion(record: dict[str, Any], model: str, created: int, sources_in_text: bool = False) -> dict[str, Any]:
     """The answer as a ``chat.completion`` object."""
+    content = record["answer"] + (sources_text(record) if sources_in_text else "")
     return {"id": f"chatcmpl-{g.request_id}", "object": "chat.completion", "created": created, "model": model,
             "system_fingerprint": record.get("release_id"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": record["answer"], "refusal": None},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content, "refusal": None},
                          "logprobs": None, "finish_reason": _finish_reason(record)}],
             "usage": _usage(record), "cagflow": record}
 
@@ -57,10 +79,11 @@ class ChatChunks:
     ``finish_reason`` is ``content_filter``, as OpenAI's asynchronous content filter says that text already sent
     was withdrawn, and ``cagflow.answer`` holds the decline sentence."""
 
-    def __init__(self, model: str, created: int, include_usage: bool):
+    def __init__(self, model: str, created: int, include_usage: bool, sources_in_text: bool = False):
         self.head = {"id": f"chatcmpl-{g.request_id}", "object": "chat.completion.chunk", "created": created,
                      "model": model}
         self.include_usage = include_usage
+        self.sources_in_text = sources_in_text
         self.shown = ""
         self.started = False
 
@@ -88,6 +111,8 @@ class ChatChunks:
             rest = rest.lstrip() if self.shown != self.shown.rstrip() else rest
             if rest or not self.started:
                 frames.append(self._content(rest))
+            if self.sources_in_text and sources_text(data):
+                frames.append(self._content(sources_text(data)))
         frames.append(self._delta({}, "content_filter" if withdrawn else _finish_reason(data), cagflow=data))
         if self.include_usage:
             frames.append(self._chunk([], usage=_usage(data)))
@@ -107,8 +132,8 @@ def chat_completions() -> Response:
     model = model_id(deps.model)
     chat = parse_chat(read_json(), deps.service, model)
     created = int(time.time())
-    return answer(chat.query, lambda record: json_response(completion(record, model, created)),
-                  ChatChunks(model, created, chat.include_usage))
+    return answer(chat.query, lambda record: json_response(completion(record, model, created, chat.sources_in_text)),
+                  ChatChunks(model, created, chat.include_usage, chat.sources_in_text))
 
 
 def _models() -> list[dict[str, Any]]:

@@ -145,3 +145,9 @@ def test_langchain_chat_openai_invokes_and_streams(router):
     pieces = list(llm.stream(QUESTION))
     assert "".join(piece.content for piece in pieces) == "Port 8443."
     assert llm.invoke(OFF_TOPIC).content == declined_answer(OFF_TOPIC)
+    cited = ChatOpenAI(model="cagflow", base_url=f"{url}/v1", api_key=key, max_retries=0,
+                       extra_body={"cagflow": {"sources": "text"}})  # the sources in the text LangChain keeps
+    with_sources = ("Port 8443.\n\nSources:\n[1] Gateway manual — Ports: "
+                    "\u201cThe web console listens on port 8443 (HTTPS).\u201d")
+    assert cited.invoke(QUESTION).content == with_sources
+    assert "".join(piece.content for piece in cited.stream(QUESTION)) == with_sources

@@ -166,6 +166,31 @@ def test_streaming_sends_openai_chunks_then_done(chat):
     assert all("usage" not in event for event in events)
 
 
+SOURCES = "\n\nSources:\n[1] Gateway manual — Ports: \u201cThe web console listens on port 8443 (HTTPS).\u201d"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_sources_can_follow_the_answer_in_the_text(chat, stream):
+    """For clients that keep only the text: the citations with their quotes after the answer, in the answer's
+    language; a decline gets none; the record is unchanged."""
+    test_client, _, user = chat
+
+    def content(question: str) -> tuple[str, dict]:
+        response = test_client.post("/v1/chat/completions", headers=user,
+                                    json=ask(question, stream=stream, cagflow={"sources": "text"}))
+        if not stream:
+            body = response.get_json()
+            return body["choices"][0]["message"]["content"], body["cagflow"]
+        *events, _ = chunks(response)
+        return "".join(event["choices"][0]["delta"].get("content", "") for event in events), events[-1]["cagflow"]
+
+    text, cagflow = content(QUESTION)
+    assert text == "Port 8443." + SOURCES and cagflow["answer"] == "Port 8443."
+    assert content(CHINESE)[0] == ("网页控制台使用端口 8443。\n\n来源：\n[1] 网关手册 — 端口："
+                                   "\u201c网页控制台监听 8443 端口。\u201d")
+    assert content(OFF_TOPIC)[0] == declined_answer(OFF_TOPIC)
+
+
 def test_usage_comes_last_when_asked_for(chat):
     test_client, _, user = chat
     *events, _ = chunks(test_client.post("/v1/chat/completions", headers=user,
@@ -246,6 +271,7 @@ def test_the_model_id_is_the_preset_or_the_directory_name(path, expected):
     ({"cagflow": {"doc_id": "a/b"}}, 400, "invalid_request", "cagflow.doc_id"),
     ({"cagflow": {"top_k": 99}}, 400, "invalid_request", "cagflow.top_k"),
     ({"cagflow": {"question": "x"}}, 400, "invalid_request", "cagflow"),
+    ({"cagflow": {"sources": "footnotes"}}, 400, "invalid_request", "cagflow.sources"),
 ])
 def test_bad_or_unsupported_fields_are_openai_errors_naming_the_field(chat, fields, status, code, param):
     test_client, router, user = chat
