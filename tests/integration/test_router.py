@@ -266,7 +266,7 @@ def test_langchain_gets_answers_with_their_sources_from_the_real_router(router, 
     if whole != declined_answer(OUT_OF_SCOPE):  # the tiny model's relevance check may decline
         answer, sources = whole.split("\n\nSources:\n")
         assert answer and re.match(r"\[1\] .+ — .+", sources) and len(sources.splitlines()) == 3
-        assert "".join(piece.content for piece in llm.stream(OUT_OF_SCOPE)) == whole
+        assert "".join(piece.content for piece in llm.stream(OUT_OF_SCOPE)).strip() == whole  # a leading space
 
 
 def test_an_alarm_only_a_release_note_names_goes_to_retrieval(router, keys):
