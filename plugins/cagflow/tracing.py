@@ -16,8 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -36,7 +35,7 @@ _installed: dict[str, Any] = {}  # the provider this process installed, and for 
 _lock = threading.Lock()
 
 __all__ = ["TRACER", "SpanKind", "setup", "shutdown", "context_from", "context_of", "traceparent", "trace_id",
-           "attach", "detach", "current", "record_span", "perf_to_ns", "failed"]
+           "attach", "detach", "record_span", "perf_to_ns", "failed"]
 
 
 def setup(service_name: str, settings: "TracingConfig") -> bool:
@@ -100,21 +99,11 @@ def context_of(span: Span) -> otel_context.Context:
 
 def attach(span: Span) -> object:
     """Make ``span`` the current one in this thread until :func:`detach` is given the returned token."""
-    return otel_context.attach(trace.set_span_in_context(span))
+    return otel_context.attach(context_of(span))
 
 
 def detach(token: object) -> None:
     otel_context.detach(token)
-
-
-@contextmanager
-def current(span: Span) -> Iterator[Span]:
-    """``span`` as the parent of the spans started inside the block (it is not ended here)."""
-    token = attach(span)
-    try:
-        yield span
-    finally:
-        detach(token)
 
 
 def perf_to_ns(perf_seconds: float) -> int:
