@@ -69,6 +69,9 @@ class FakeScope:
     def cite(self, doc_id, vector):
         return None
 
+    def candidates(self, doc_id, vector, count):
+        return []
+
     def published(self, doc_id) -> str:
         return ""
 
