@@ -31,3 +31,9 @@ def answer_record(*, question: str, model_answer: str, answered: bool, decline_r
         "request_id": request_id, "trace_id": trace_id, "rules_fired": list(rules_fired),
         **({} if answered or model_answer.strip() in declines else {"model_answer": model_answer}),
     }
+
+
+def citation_label(citation: dict[str, Any]) -> str:
+    """How a citation reads to a person: "title — section", or its document id when it has neither."""
+    return " — ".join(part for part in (citation.get("title"), citation.get("section")) if part) \
+        or citation.get("doc_id", "")

@@ -98,9 +98,9 @@ def cmd_trace(args: argparse.Namespace, config: Config) -> int:
 
     if not re.fullmatch(r"[0-9a-fA-F]{32}", args.trace_id):
         raise ValueError(f"{args.trace_id!r} is not a trace id (32 hex digits, the answer's trace_id)")
-    trace = fetch_trace(args.query_url or config.tracing.query_url, args.trace_id.lower())
-    print(json.dumps(trace, indent=2) if args.json else render(args.trace_id.lower(), span_tree(trace),
-                                                               attributes=args.attributes))
+    trace_id = args.trace_id.lower()
+    trace = fetch_trace(args.query_url or config.tracing.query_url, trace_id)
+    print(json.dumps(trace, indent=2) if args.json else render(trace_id, span_tree(trace), attributes=args.attributes))
     return 0
 
 

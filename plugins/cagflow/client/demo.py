@@ -17,6 +17,7 @@ from typing import Any
 
 from ..config import Config
 from ..answering.qa import QAItem, load_qa
+from ..answering.record import citation_label
 
 
 def _round_robin(groups: dict[Any, list[QAItem]], count: int) -> list[QAItem]:
@@ -82,8 +83,7 @@ def _print_answer(number: int, total: int, item: QAItem, reply: dict) -> None:
     citations = reply.get("citations") or reply.get("suggestions") or []
     if citations:
         label = "cites    " if reply.get("citations") else "see also "
-        print(f"  {label}: " + "; ".join(" — ".join(part for part in (c.get("title"), c.get("section")) if part)
-                                        or c.get("doc_id", "") for c in citations[:3]))
+        print(f"  {label}: " + "; ".join(citation_label(citation) for citation in citations[:3]))
         if citations[0].get("quote"):
             print(f"  quote    : \u201c{citations[0]['quote']}\u201d")  # the evidence of the first source
     print(f"  route    : {reply.get('route')} · cache hit {'yes' if reply.get('cache_hit') else 'no'}"

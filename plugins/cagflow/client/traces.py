@@ -12,6 +12,7 @@ from typing import Any
 
 import requests
 
+from ..devstack.jaeger import query_trace
 from ..errors import CagflowError
 
 
@@ -33,23 +34,21 @@ class SpanNode:
 
 
 def fetch_trace(query_url: str, trace_id: str, timeout_s: float = 10.0) -> dict[str, Any]:
-    """The trace as Jaeger's query API returns it (``spans`` and ``processes``)."""
-    url = f"{query_url.rstrip('/')}/api/traces/{trace_id}"
+    """The trace as Jaeger's query API returns it (``spans`` and ``processes``); what went wrong, in words."""
     try:
-        reply = requests.get(url, timeout=timeout_s)
+        found = query_trace(query_url, trace_id, timeout_s)
+    except requests.HTTPError as exc:
+        raise TraceUnavailable(f"the collector at {query_url} answered {exc.response.status_code}: "
+                               f"{exc.response.text[:200]}") from None
+    except (ValueError, AttributeError):  # requests' JSONDecodeError is a ValueError too
+        raise TraceUnavailable(f"{query_url} is not a Jaeger query API (its reply is not the expected JSON)") from None
     except requests.RequestException as exc:
         raise TraceUnavailable(f"cannot reach the trace collector at {query_url} ({type(exc).__name__}); "
                                "is it running (`cagflow jaeger up`) and is tracing.query_url right?") from None
-    if reply.status_code != 404 and not reply.ok:
-        raise TraceUnavailable(f"the collector at {query_url} answered {reply.status_code}: {reply.text[:200]}")
-    try:
-        data = reply.json().get("data") if reply.ok else None
-    except (ValueError, AttributeError):
-        raise TraceUnavailable(f"{url} is not a Jaeger query API (its reply is not the expected JSON)") from None
-    if not data:
+    if found is None:
         raise TraceUnavailable(f"the collector at {query_url} holds no trace {trace_id} (not sampled, not sent "
                                "yet, or older than what it keeps)")
-    return data[0]
+    return found
 
 
 def span_tree(trace: dict[str, Any]) -> list[SpanNode]:

@@ -1,5 +1,5 @@
-"""A real trace collector on 127.0.0.1: Jaeger v2 all-in-one (OTLP/HTTP in, traces kept in memory, the Jaeger
-UI and its query API on one port).
+"""A real trace collector on 127.0.0.1: Jaeger v2 all-in-one (OTLP/HTTP in, traces kept in memory, its query
+API out; the binary built from the Go module serves no web UI, whose pages are built with npm).
 
 Used by the integration tests and, with ``tracing.endpoint`` set, by ``make run TRACING=1``
 (``cagflow jaeger up``). The ``jaeger`` binary is built once from the Go module proxy by
@@ -50,6 +50,18 @@ def find_jaeger_binary() -> Path:
                       "CAGFLOW_JAEGER_BIN to a Jaeger v2 binary")
 
 
+def query_trace(query_url: str, trace_id: str, timeout_s: float = 5.0) -> dict[str, Any] | None:
+    """One trace from Jaeger's query API (``GET /api/traces/<id>``, what its UI reads): ``spans`` and
+    ``processes``, or None while it holds none. An unreachable collector, a failing status and a reply that
+    is not its JSON raise requests' errors (``ValueError`` or ``AttributeError`` for the JSON)."""
+    reply = requests.get(f"{query_url.rstrip('/')}/api/traces/{trace_id}", timeout=timeout_s)
+    if reply.status_code == 404:
+        return None
+    reply.raise_for_status()
+    data = reply.json().get("data") or []
+    return data[0] if data else None
+
+
 def collector_config(otlp_port: int, query_port: int, query_grpc_port: int) -> dict[str, Any]:
     """Jaeger v2's configuration (an OpenTelemetry Collector one): OTLP over HTTP into memory, the query
     service and UI over HTTP, every listener on HOST."""
@@ -87,7 +99,7 @@ class LocalJaeger(ServerContext):
 
     @property
     def ui_url(self) -> str:
-        """The Jaeger UI; ``/trace/<trace id>`` opens one trace."""
+        """The query API (``tracing.query_url``), where the official image also serves the UI."""
         return self._server.http_url(self.query_port)
 
     def is_running(self) -> bool:
@@ -109,13 +121,8 @@ class LocalJaeger(ServerContext):
         return self.otlp_endpoint
 
     def trace(self, trace_id: str, timeout_s: float = 5.0) -> dict[str, Any] | None:
-        """One trace as the query API gives it (``spans`` and ``processes``), or None while it holds none."""
-        reply = requests.get(f"{self.ui_url}/api/traces/{trace_id}", timeout=timeout_s)
-        if reply.status_code == 404:
-            return None
-        reply.raise_for_status()
-        data = reply.json().get("data") or []
-        return data[0] if data else None
+        """One trace (``query_trace``), or None while this collector holds none."""
+        return query_trace(self.ui_url, trace_id, timeout_s)
 
     def traces(self, service: str, limit: int = 100, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         """The latest traces holding spans of ``service`` (none while it sent nothing)."""

@@ -54,10 +54,11 @@ def finish(status: int, outcome: dict[str, Any], error_code: str | None = None) 
 def _start_span() -> None:
     """The request's server span, child of the caller's ``traceparent`` when it sent one, current for
     everything the request does in this thread (a stream's events included) until ``finish``."""
-    g.span = tracing.TRACER.start_span(f"{request.method} {_endpoint_label()}", kind=tracing.SpanKind.SERVER,
+    endpoint = _endpoint_label()
+    g.span = tracing.TRACER.start_span(f"{request.method} {endpoint}", kind=tracing.SpanKind.SERVER,
                                        context=tracing.context_from(request.headers),
-                                       attributes={"http.request.method": request.method,
-                                                   "http.route": _endpoint_label(), "cagflow.request_id": g.request_id})
+                                       attributes={"http.request.method": request.method, "http.route": endpoint,
+                                                   "cagflow.request_id": g.request_id})
     g.span_token = tracing.attach(g.span)
     g.trace_id = tracing.trace_id(g.span)
 

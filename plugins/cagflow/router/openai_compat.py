@@ -18,6 +18,7 @@ from typing import Any, Iterable
 
 from flask import Blueprint, Response, g
 
+from ..answering.record import citation_label
 from ..documents.text import language
 from .access import ApiError
 from .chat_requests import ALIAS, model_id, parse_chat
@@ -52,10 +53,9 @@ def sources_text(record: dict[str, Any]) -> str:
     chinese = language(record["answer"]) == "zh"
     lines = ["来源：" if chinese else "Sources:"]
     for number, citation in enumerate(record["citations"], start=1):
-        where = " — ".join(part for part in (citation.get("title"), citation.get("section")) if part) \
-            or citation["doc_id"]
         quote = citation.get("quote")
-        lines.append(f"[{number}] {where}" + (f"{'：' if chinese else ': '}\u201c{quote}\u201d" if quote else ""))
+        lines.append(f"[{number}] {citation_label(citation)}"
+                     + (f"{'：' if chinese else ': '}\u201c{quote}\u201d" if quote else ""))
     return "\n\n" + "\n".join(lines)
 
 
@@ -111,8 +111,9 @@ class ChatChunks:
             rest = rest.lstrip() if self.shown != self.shown.rstrip() else rest
             if rest or not self.started:
                 frames.append(self._content(rest))
-            if self.sources_in_text and sources_text(data):
-                frames.append(self._content(sources_text(data)))
+            sources = sources_text(data) if self.sources_in_text else ""
+            if sources:
+                frames.append(self._content(sources))
         frames.append(self._delta({}, "content_filter" if withdrawn else _finish_reason(data), cagflow=data))
         if self.include_usage:
             frames.append(self._chunk([], usage=_usage(data)))
