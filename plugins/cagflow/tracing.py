@@ -106,9 +106,28 @@ def detach(token: object) -> None:
     otel_context.detach(token)
 
 
+_CLOCK_ANCHOR_S = 60.0
+_clock_anchor: tuple[float, int] = (float("-inf"), 0)
+
+
+def _perf_to_unix_offset_ns() -> int:
+    """Unix nanoseconds minus ``perf_counter`` nanoseconds, read once a minute (so the wall clock's adjustments
+    are followed) and from the tightest of three readings: a fresh reading per span would let a thread switch
+    between the two clocks move adjacent spans over each other."""
+    global _clock_anchor
+    now = time.perf_counter()
+    if now - _clock_anchor[0] > _CLOCK_ANCHOR_S:
+        readings = []
+        for _ in range(3):
+            before, wall, after = time.perf_counter(), time.time_ns(), time.perf_counter()
+            readings.append((after - before, wall - int((before + after) / 2 * 1e9)))
+        _clock_anchor = (now, min(readings)[1])
+    return _clock_anchor[1]
+
+
 def perf_to_ns(perf_seconds: float) -> int:
     """A ``time.perf_counter()`` instant of this process as Unix nanoseconds, the span clock."""
-    return time.time_ns() - int((time.perf_counter() - perf_seconds) * 1e9)
+    return int(perf_seconds * 1e9) + _perf_to_unix_offset_ns()
 
 
 def record_span(name: str, started: float, ended: float | None = None, parent: otel_context.Context | None = None,
