@@ -303,6 +303,10 @@ class ModelConfig(_Section):
     # Each block (a prefill block of the question, passages or snapshot, or one decode step) also takes the cores
     # that are idle when it starts (Linux's runnable-task count). Results do not depend on it.
     idle_cores: bool = True
+    # Decode by prompt lookup (engine.lookup): guesses of the next tokens from the prompt's words, checked in the
+    # same pass as the token before them. The same tokens as one-token steps, int8 engine only; measured in
+    # bench/README "Prompt lookup".
+    prompt_lookup: bool = True
     relevance: RelevanceConfig = RelevanceConfig()
     # The retrieval route's passages: "reuse" places each passage's K/V, computed once (by the ingest DAG or on
     # first use) and re-rotated to its position, so only the question is prefilled; "prefill" computes them

@@ -90,6 +90,7 @@ class Engine:
         self.prefix_decoder = (SharedPrefixDecoder(self.model)
                                if self.fast is None and supports_shared_prefix(self.model) else None)
         self.passage_states = passage_states  # the retrieval route's reused passage K/V (int8 engine); None: prefill
+        self.prompt_lookup = True  # decode one answer by prompt lookup (engine.lookup), where exact
 
     @classmethod
     def from_config(cls, model: ModelConfig, disabled_rules: Iterable[str] = (),
@@ -101,6 +102,7 @@ class Engine:
                      model.focus_tokens)
         if model.idle_cores and engine.fast is not None:
             engine.fast.block_threads = idle_cores
+        engine.prompt_lookup = model.prompt_lookup
         if model.passage_kv == "reuse" and engine.fast is not None:
             load = (lambda key: stored_passage(engine.fingerprint, key)) if stored_passage is not None else None
             engine.passage_states = PassageStates(engine.fast, engine.fingerprint,
@@ -279,7 +281,8 @@ class Engine:
         eos = self.eos_ids if eos is None else eos
         if self.fast is not None:
             start = prefix[0][0].shape[1]
-            for step in self.fast.steps(prefix, [ids[start:]], budget, eos):
+            lookup = ids if self.prompt_lookup else None
+            for step in self.fast.steps(prefix, [ids[start:]], budget, eos, lookup=lookup):
                 yield step[0][0]
             return
         if reused and self.prefix_decoder is not None:

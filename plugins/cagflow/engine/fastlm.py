@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from .kernels import MKL_STRICT_ERROR, amx_ready, native_error, native_kernels
 from .lm_config import (LMConfig, config_from_hf, folder_config, native_matmul, recipe_name, rope_tables,
                         shapes_fit_amx, shapes_fit_native, torch_matmul)
+from .lookup import DRAFT_TOKENS, looked_up
 from .threads import at_least_threads
 from .weights_file import CheckpointTensors, map_weights, quantize_rows, round_up, write_weights
 
@@ -351,6 +352,12 @@ class FastLM:
         out = (out / total).view(rows, kv, width, groups, dim).permute(0, 2, 1, 3, 4)
         return out.to(torch.bfloat16).contiguous()
 
+    @property
+    def lookup_exact(self) -> bool:
+        """Whether a block of ``1 + DRAFT_TOKENS`` tokens computes each row bitwise as a one-token step does
+        (mm_int8 at any width up to 4, AMX tiles from ``AMX_MIN_WIDTH``), so prompt lookup changes no token."""
+        return self._native_mm and 1 + DRAFT_TOKENS < AMX_MIN_WIDTH
+
     # ---- public API ----
 
     @torch.inference_mode()
@@ -426,13 +433,14 @@ class FastLM:
 
     @torch.inference_mode()
     def steps(self, prefix: PrefixKV | None, suffixes: Sequence[Sequence[int]], max_new_tokens: int,
-              eos_token_ids: Iterable[int] | None = None, keep_logits: bool = False
-              ) -> Iterator[dict[int, tuple[int, torch.Tensor | None]]]:
+              eos_token_ids: Iterable[int] | None = None, keep_logits: bool = False,
+              lookup: Sequence[int] | None = None) -> Iterator[dict[int, tuple[int, torch.Tensor | None]]]:
         """Greedy decoding of several questions over one prefix, one step at a time: yields ``{row: (token,
         logits or None)}`` for the rows still running. A row stops after an EOS token (yielded) or
         ``max_new_tokens`` tokens. Each question block is prefilled on its own (so it computes exactly what a
         single answer computes), then the rows decode together, one token per row per step, reading the prefix
-        once per step for all rows."""
+        once per step for all rows. ``lookup``: one question's whole prompt (prefix tokens included), to
+        decode it with prompt lookup (``engine.lookup``: the same tokens, often several per pass)."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         if any(len(s) == 0 for s in suffixes):
@@ -458,6 +466,13 @@ class FastLM:
             lengths[row] = len(ids)
             feed[row] = token
         running = [row for row in range(rows) if int(feed[row]) not in eos and produced[row] < max_new_tokens]
+        if running and lookup is not None and rows == 1 and self.lookup_exact:
+            def block(tokens: list[int], length: int) -> torch.Tensor:
+                hidden = self._block(torch.tensor([tokens]), prefix, sk, sv, torch.tensor([length]))
+                return self._head(hidden[0])
+            yield from looked_up(block, len(suffixes[0]), [*lookup, int(feed[0])], max_new_tokens - produced[0],
+                                 eos, take)
+            return
         if len(running) < rows:
             sk, sv, lengths, feed = _keep(sk, sv, lengths, feed, running)
         while running:

@@ -29,6 +29,7 @@ def test_engine_measurements_on_the_tiny_model(tiny_engine, corpus_manifest_path
     for row, tokens in zip(measured["documents"], (300, 600)):
         assert tokens - 40 <= row["document_tokens"] <= tokens and row["snapshot_bytes_per_token"] == per_token
         assert 0 < row["hit_ttft_s"] < row["hit_answer_s"] and row["hit_decode_tok_s"] > 0
+        assert row["hit_answer_one_token_a_pass_s"] > row["hit_ttft_s"]
         assert row["bytes"] > per_token * row["document_tokens"] and row["load_mb_s"] > 0
     assert [b["questions"] for b in measured["batches"]] == [1, 2]
     cases = engine_bench._peer_cases(tiny_engine, snapshots, passages)
@@ -43,6 +44,7 @@ def test_engine_measurements_on_the_tiny_model(tiny_engine, corpus_manifest_path
     engine_bench.print_table({"model": "tiny", "recipe": tiny_engine.recipe, "threads": 1, "runs": 1, **measured,
                               "peer": peer, "serving": serving})
     table = capsys.readouterr().out
+    assert measured["prompt_lookup"] == tiny_engine.prompt_lookup and "1 tok/pass" in table
     assert "llama.cpp x on m.gguf" in table and "Retrieval route" in table and "full prefill of" in table
     without_batches = engine_bench.measure(tiny_engine, corpus_manifest_path.parent / "fixed", runs=1,
                                            document_tokens=(300,))
