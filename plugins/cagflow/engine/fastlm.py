@@ -19,11 +19,11 @@ Numeric recipe (``FastLM.recipe`` names it; it is part of what a snapshot means)
   or written) and the request's own suffix buffer (question + generated tokens, causal). Their softmaxes
   are merged exactly (log-sum-exp over fixed 256-key chunks, in order). GQA: query heads are grouped per
   KV head, K/V heads are never repeated.
-- A prefix is prefilled in blocks of ``prefill_block`` tokens counted from position 0; a question is one
-  block after the prefix; each generated token is one step. A full-prompt answer runs exactly these blocks
-  (``answer_full``), so it is bitwise identical to the cache hit (same tokens, same logits). A batched
-  answer prefills each question alone and then decodes rows together with kernels whose every output row
-  is independent of the batch, so it is bitwise identical to a single answer too.
+- A prefix is prefilled in blocks of ``prefill_block`` tokens from position 0; a question is one block after
+  it; a decode step is one token, or (prompt lookup, ``lookup``) the last token and up to 3 guesses, whose
+  rows are bitwise one-token steps. A full-prompt answer runs exactly these blocks (``answer_full``): bitwise
+  the cache hit (tokens and logits). A batched answer prefills each question alone, then decodes the rows
+  together with kernels whose every output row is independent of the batch: bitwise a single answer too.
 
 Backends: ``native`` (C++/AVX-512-BF16 kernels from ``fastlm_kernels.cpp``, compiled once with torch's
 cpp_extension, cached under ``$CAGFLOW_HOME/kernels``) and ``torch`` (pure PyTorch, for CPUs without
@@ -34,13 +34,10 @@ at least ``WIDE_BLOCK`` tokens a row with fp32 GEMMs on int8 weights widened per
 prefill speed of ``int8pack``), with MKL switched to strict reproducibility on import (``kernels``) so results
 do not depend on the thread count; where that is impossible ``f32`` is refused and ``auto`` picks ``int8pack``.
 
-Weights: the first load of a model quantises its checkpoint and writes the prepared tensors to one file
-that every process then maps read-only (``model.prepared_weights``, ``weights_file``); the kernels and MKL's mode
-live in ``kernels``, the configuration and recipe names in ``lm_config``.
-
-Entry points: ``FastLM.from_pretrained(folder)``, ``FastLM.load(folder, weights_file)``, ``prefill_prefix(ids)``,
-``steps(prefix, [ids, ...], n)`` (greedy tokens step by step, for streams and batches), ``answer(prefix, ids,
-n)``, ``answer_batch``, ``answer_full(ids, prefix_len, n)``, ``logits(prefix, ids)``. Threads: the caller sets
+Weights: the first load quantises the checkpoint into one file every process maps read-only (``weights_file``);
+the kernels and MKL's mode live in ``kernels``, the configuration and recipe names in ``lm_config``.
+Entry points: ``FastLM.from_pretrained``, ``FastLM.load``, ``prefill_prefix``, ``steps`` (greedy tokens step by
+step, for streams and batches), ``answer``, ``answer_batch``, ``answer_full``, ``logits``. Threads: the caller's
 ``torch.set_num_threads``; ``block_threads`` may widen each block (README "Thread policy").
 """
 
@@ -86,8 +83,7 @@ class _Layer:
     s_down: torch.Tensor
 
     def flat(self) -> list[torch.Tensor]:
-        return [self.ln1, self.w_qkv, self.s_qkv, self.b_qkv, self.w_o, self.s_o, self.ln2, self.w_gu, self.s_gu,
-                self.w_down, self.s_down]
+        return [getattr(self, f.name) for f in fields(self)]  # the order run_layers reads them in
 
 
 @dataclass
@@ -101,8 +97,6 @@ class Generation:
     ttft_s: float = 0.0
     total_s: float = 0.0
 
-
-# ---- the model -----------------------------------------------------------------------------------------
 
 class FastLM:
     """An int8/bf16 forward pass of a Llama-family causal LM with shared-prefix (snapshot) attention."""
@@ -182,8 +176,6 @@ class FastLM:
                 layer.w_qkv, layer.w_o = pack(layer.w_qkv), pack(layer.w_o)
                 layer.w_gu, layer.w_down = pack(layer.w_gu), pack(layer.w_down)
 
-    # ---- prepared weights ----
-
     def _named_weights(self) -> dict[str, torch.Tensor]:
         named = {"embed": self.embed, "w_lm": self.w_lm, "s_lm": self.s_lm, "norm": self.norm}
         for i, layer in enumerate(self.layers):
@@ -205,8 +197,6 @@ class FastLM:
             raise ValueError(f"{weights_file} holds weights for {recipe}, this engine runs {model.recipe}")
         model._mapped = mapped  # the tensors are views of this mapping: keep it open as long as the model
         return model
-
-    # ---- loading ----
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, **kwargs) -> "FastLM":
@@ -354,8 +344,7 @@ class FastLM:
 
     @property
     def lookup_exact(self) -> bool:
-        """Whether a block of ``1 + DRAFT_TOKENS`` tokens computes each row bitwise as a one-token step does
-        (mm_int8 at any width up to 4, AMX tiles from ``AMX_MIN_WIDTH``), so prompt lookup changes no token."""
+        """Whether each row of a lookup block is bitwise a one-token step (mm_int8 up to 4 rows; not torch's)."""
         return self._native_mm and 1 + DRAFT_TOKENS < AMX_MIN_WIDTH
 
     # ---- public API ----
