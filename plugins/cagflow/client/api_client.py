@@ -4,12 +4,15 @@ Every failure comes back as one exception, ``ApiError``: the API's own error bod
 (``{"error": {"code", "message"}, "request_id"}``) when it sent one, status 0 and code ``unreachable``
 when no HTTP answer came at all, ``tls_failed`` when the server's certificate does not verify (it is
 always checked: against ``ca_file``, else the system's CAs). Streamed answers are Server-Sent Events,
-parsed here as the HTML specification defines them (multi-line data, comments, event names, ids).
+parsed here as the HTML specification defines them (multi-line data, comments, event names, ids). A request
+the API refuses for its key's rate (``429`` with ``Retry-After``) is sent again after the wait it names, up to
+``rate_limit_wait_s`` in all.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
@@ -21,6 +24,9 @@ if TYPE_CHECKING:
     from ..config import ServiceConfig
 
 USER_AGENT = "cagflow-api-client"
+# A rate-limited request waits this long at most in all (the API says how long in Retry-After) before it fails:
+# a benchmark or a script asking question after question slows to the key's rate instead of failing.
+RATE_LIMIT_WAIT_S = 30.0
 
 
 def client_timeout_s(service: ServiceConfig) -> float:
@@ -94,16 +100,30 @@ def _error_from(response: requests.Response) -> ApiError:
                     f"{response.reason or 'error'} from {response.url}: {snippet or '(empty body)'}", request_id)
 
 
+def _retry_after(response: requests.Response) -> float | None:
+    """The seconds a ``429`` answer asks the client to wait (``Retry-After``; 0.1 at least, so that the waits
+    of a request add up to its budget), else None."""
+    if response.status_code != 429:
+        return None
+    try:
+        return max(0.1, float(response.headers.get("Retry-After", "")))
+    except ValueError:
+        return None
+
+
 class ApiClient:
     """One keep-alive session to the API; share an instance across calls (not across processes). An
     ``https://`` URL is verified against ``ca_file`` (a CA bundle or a self-signed certificate), else
     against the system's CAs."""
 
     def __init__(self, base_url: str, api_key: str | None, timeout_s: float = 120,
-                 ca_file: str | None = None) -> None:
+                 ca_file: str | None = None, rate_limit_wait_s: float = RATE_LIMIT_WAIT_S) -> None:
+        """``rate_limit_wait_s``: how long in all a request may wait out ``429 rate_limited`` answers (their
+        ``Retry-After``) before the error is raised; 0 raises it at once."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.ca_file = ca_file
+        self.rate_limit_wait_s = rate_limit_wait_s
         self._session = requests.Session()
         self._session.headers["User-Agent"] = USER_AGENT
         if api_key:
@@ -119,6 +139,19 @@ class ApiClient:
         self.close()
 
     def _request(self, method: str, path: str, **arguments: Any) -> requests.Response:
+        """One request; a ``429`` with ``Retry-After`` is waited out and sent again while the waits stay within
+        ``rate_limit_wait_s`` (the API refuses it before doing anything, so sending it again is safe)."""
+        waited = 0.0
+        while True:
+            response = self._send(method, path, **arguments)
+            wait = _retry_after(response)
+            if wait is None or waited + wait > self.rate_limit_wait_s:
+                return response
+            response.close()
+            time.sleep(wait)
+            waited += wait
+
+    def _send(self, method: str, path: str, **arguments: Any) -> requests.Response:
         url = f"{self.base_url}{path}"
         try:  # verify per request: a session-wide setting would lose to $REQUESTS_CA_BUNDLE
             return self._session.request(method, url, timeout=self.timeout_s, verify=self.ca_file or True,

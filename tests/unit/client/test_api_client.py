@@ -34,6 +34,11 @@ def api_app(received: list) -> Flask:
             return error(401, "invalid_api_key", "the API key is not valid")
         body = request.get_json()
         received.append(body)
+        if body["question"].startswith("rate limited"):  # "rate limited N S": refused N times, Retry-After S
+            _, _, refusals, seconds = body["question"].split()
+            if sum(item["question"] == body["question"] for item in received) <= int(refusals):
+                response = error(429, "rate_limited", "more than 5 requests/s (burst 20) for this key")
+                return response[0], 429, {"Retry-After": seconds}
         if body["question"] == "bad gateway":
             return Response("<html><body>502 Bad Gateway</body></html>", status=502, mimetype="text/html")
         if not body["stream"]:
@@ -109,6 +114,18 @@ def test_error_bodies_become_api_errors(api):
         client.query("bad gateway")
     assert raised.value.status == 502 and raised.value.code == "unexpected_response"
     assert "502 Bad Gateway" in raised.value.message
+
+
+def test_a_rate_limited_request_waits_as_told_and_is_sent_again(api):
+    url, received = api
+    with ApiClient(url, KEY) as client:
+        assert client.query("rate limited 2 0") == ANSWER  # two 429s with "Retry-After: 0", then the answer
+    assert [body["question"] for body in received] == ["rate limited 2 0"] * 3
+    with ApiClient(url, KEY, rate_limit_wait_s=5) as client, pytest.raises(ApiError) as raised:
+        client.query("rate limited 1 60")  # asked to wait longer than the client may: the error, at once
+    assert (raised.value.status, raised.value.code) == (429, "rate_limited")
+    with ApiClient(url, KEY, rate_limit_wait_s=0) as client, pytest.raises(ApiError):
+        client.query("rate limited 1 0")
 
 
 def test_health_and_readiness(api):
