@@ -136,10 +136,40 @@ def summarise(rows: list[dict]) -> dict:
                                                           and (row["auto"].get("route") or "error") == route])
                                             for route in taken}
             table[f"{language} {kind}"] = cells
+    timing = {route: route_timing([row[route] for row in rows if route in row]) for route in ROUTES}
     wrong_document = [row["id"] for row in rows if row["doc_id"] and "auto" in row
                       and row["auto"].get("route") in ("cache", "cache+retrieval")
                       and row["auto"].get("cache_doc_id") != row["doc_id"]]
-    return {"questions": len(rows), "table": table, "wrong_document_cache_routes": wrong_document}
+    return {"questions": len(rows), "table": table, "timing": {route: cell for route, cell in timing.items() if cell},
+            "wrong_document_cache_routes": wrong_document}
+
+
+SHORT_ANSWER_TOKENS = 30  # "a short answer": the total time goal is for answers of fewer generated tokens
+
+
+def route_timing(answers: list[dict]) -> dict | None:
+    """What a user waits on one route, over its computed answers of every kind (the answer cache and errors
+    left out): time to first token and total (p50, p95), the total of answers under ``SHORT_ANSWER_TOKENS``
+    tokens, and the decode time per token after the first."""
+    computed = [answer for answer in answers if answer.get("computed", True) and "error" not in answer
+                and answer.get("tokens")]
+    if not computed:
+        return None
+    generated = [answer["tokens"]["generated"] for answer in computed]
+    decode = [(answer["timings_ms"]["generate"] - answer["timings_ms"]["ttft"]) / (count - 1)
+              for answer, count in zip(computed, generated) if count > 1 and answer.get("timings_ms")]
+    return {"computed": len(computed),
+            "ttft_s": _percentiles([answer["ttft_s"] for answer in computed]),
+            "total_s": _percentiles([answer["seconds"] for answer in computed]),
+            "short_total_p50_s": _median([answer["seconds"] for answer, count in zip(computed, generated)
+                                          if count < SHORT_ANSWER_TOKENS]),
+            "short_answers": sum(count < SHORT_ANSWER_TOKENS for count in generated),
+            "decode_ms_per_token_p50": _median(decode), "generated_tokens_p50": _median(generated)}
+
+
+def _percentiles(values: list[float]) -> dict:
+    ordered = sorted(values)
+    return {"p50": statistics.median(ordered), "p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]}
 
 
 def ablation(rows: list[dict], questions: dict[str, DatasetQuestion], route: str = "auto") -> dict:
@@ -190,6 +220,10 @@ def print_ablation(title: str, table: dict) -> None:
         print(f"  {name:<24} {effect['acts']:<7} net {effect['net']:+d}  {details or 'never fired'}")
 
 
+def _shown(value: float | None, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
 def print_summary(title: str, summary: dict) -> None:
     print(f"\n{title}: {summary['questions']} questions; cells: right / asked (share), declined, answers with "
           "unsupported figures, mean F1, p50 TTFT")
@@ -212,6 +246,12 @@ def print_summary(title: str, summary: dict) -> None:
             if cells[route] is not None and cells[route]["right"] and group.endswith("answerable"):
                 print(f"{'':<22}{route}: a quote holds the gold answer for {cells[route]['quoted_gold']} of "
                       f"{cells[route]['right']} right answers")
+    for route, timing in summary.get("timing", {}).items():
+        print(f"{route} timing ({timing['computed']} computed answers): TTFT p50 {timing['ttft_s']['p50']:.2f} s "
+              f"p95 {timing['ttft_s']['p95']:.2f} s; total p50 {timing['total_s']['p50']:.2f} s p95 "
+              f"{timing['total_s']['p95']:.2f} s; under {SHORT_ANSWER_TOKENS} tokens ({timing['short_answers']}) "
+              f"p50 {_shown(timing['short_total_p50_s'], '{:.2f} s')}; decode p50 "
+              f"{_shown(timing['decode_ms_per_token_p50'], '{:.0f} ms')}/token")
     print(f"wrong-document cache routes: {len(summary['wrong_document_cache_routes'])} "
           f"{summary['wrong_document_cache_routes']}")
 

@@ -177,3 +177,17 @@ def test_the_ablation_scores_what_each_rule_did_from_the_rules_that_fired(tmp_pa
     assert table["reask_relevant_decline"] == {"acts": "reask", "fired": 1, "right_won": 1, "net": 1}
     assert table["no_relevant_passage"]["unanswerable_caught"] == 1 and table["no_relevant_passage"]["net"] == 1
     assert table["question_name_absent"] == {"acts": "decline", "net": 0}
+
+
+def test_route_timing_is_what_a_user_waits_on_computed_answers():
+    def asked(seconds, generated, ttft_s=0.5, **extra):
+        return {"seconds": seconds, "ttft_s": ttft_s, "tokens": {"generated": generated},
+                "timings_ms": {"ttft": ttft_s * 1000, "generate": ttft_s * 1000 + 100.0 * (generated - 1)}, **extra}
+
+    answers = [asked(2.0, 11), asked(3.0, 21, ttft_s=0.7), asked(9.0, 61), asked(0.01, 11, computed=False),
+               {"error": "rate_limited: slow down", "seconds": 0.01, "answered": False}]
+    timing = dataset_answers.route_timing(answers)
+    assert timing["computed"] == 3 and timing["short_answers"] == 2  # the answer cache and the error left out
+    assert timing["ttft_s"] == {"p50": 0.5, "p95": 0.7} and timing["total_s"] == {"p50": 3.0, "p95": 9.0}
+    assert timing["short_total_p50_s"] == 2.5 and timing["decode_ms_per_token_p50"] == 100.0
+    assert dataset_answers.route_timing(answers[3:]) is None
