@@ -122,13 +122,21 @@ lint: $(STAMP)
 jaeger:
 	@bash docker/static-tools.sh jaeger >/dev/null
 
+UNIT_TESTS = -m "not integration and not real_model and not tools"
+# The quick tests on two workers (a test module stays on one, so its fixtures are built once): 81 s against 110 s
+# on this 2-core machine. The server tests run one at a time: each starts servers sized for the machine.
+UNIT_WORKERS = -n 2 --dist loadscope
+
 # Every test but the container files' static checks (marked tools), which need the Go-built linters: `make test-static`.
+# Both runs always run; the command fails when either does.
 test: lint install browser redis jaeger
-	$(BIN)/python -m pytest -m "not tools" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(UNIT_TESTS) $(UNIT_WORKERS) $(PYTEST_ARGS); unit=$$?; \
+	  $(BIN)/python -m pytest -m "(integration or real_model) and not tools" $(PYTEST_ARGS); servers=$$?; \
+	  exit $$(( unit || servers ))
 
 # The quick tests, offline: no server (integration), no real model (real_model) and no Go build (tools).
 test-unit: lint install
-	$(BIN)/python -m pytest -m "not integration and not real_model and not tools" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(UNIT_TESTS) $(UNIT_WORKERS) $(PYTEST_ARGS)
 
 # The container files checked without a Docker daemon (compose config, hadolint, promtool, kustomize): `make tools`
 # builds the linters once (~11 min the first time), then these tests take seconds.
