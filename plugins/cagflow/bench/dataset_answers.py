@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..config import CACHE_HOME, Config
-from ..client.demo import format_breakdown, stage_breakdown
+from ..client.demo import format_breakdown, percentile, stage_breakdown
 from . import scoring
 from ..rules import RULES
 from .datasets import SPLITS, Dataset, DatasetError, DatasetQuestion, load_dataset, merged_manifest
@@ -168,8 +168,7 @@ def route_timing(answers: list[dict]) -> dict | None:
 
 
 def _percentiles(values: list[float]) -> dict:
-    ordered = sorted(values)
-    return {"p50": statistics.median(ordered), "p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]}
+    return {"p50": statistics.median(values), "p95": percentile(values, 0.95)}
 
 
 def ablation(rows: list[dict], questions: dict[str, DatasetQuestion], route: str = "auto") -> dict:
