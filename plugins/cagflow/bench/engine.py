@@ -62,13 +62,20 @@ def synthetic_part(engine: Engine, corpus_dir: Path, tokens: int) -> DocumentPar
 
 def _timed(engine: Engine, snapshot: Snapshot | None, reuse_cache: bool = True) -> dict:
     """One ``ANSWER_TOKENS``-token answer to the first question (EOS ignored, so every run decodes the same
-    count): time to first token, decode speed after it, and the whole answer."""
-    ttft, total, _ = engine.timed_answer(QUESTIONS[0], snapshot, ANSWER_TOKENS, reuse_cache)
-    return {"ttft_s": ttft, "decode_tok_s": (ANSWER_TOKENS - 1) / (total - ttft), "answer_s": total}
+    count): time to first token, decode speed after it, the whole answer, and the time to the answer's own end
+    (its end-of-turn token: what a user waits for)."""
+    ttft, total, tokens, end = engine.timed_answer(QUESTIONS[0], snapshot, ANSWER_TOKENS, reuse_cache)
+    ended = [token in engine.eos_ids for token in tokens]
+    return {"ttft_s": ttft, "decode_tok_s": (ANSWER_TOKENS - 1) / (total - ttft), "answer_s": total,
+            "end_s": end, "end_tokens": ended.index(True) + 1 if True in ended else len(tokens)}
 
 
 def _median_of(runs: int, measure: Callable[[], dict]) -> dict:
-    results = [measure() for _ in range(runs)]
+    return _medians([measure() for _ in range(runs)])
+
+
+def _medians(results: list[dict]) -> dict:
+    """Each figure's median over ``results``."""
     return {name: statistics.median(result[name] for result in results) for name in results[0]}
 
 
@@ -78,7 +85,9 @@ def _timed_both_ways(engine: Engine, snapshot: Snapshot | None, runs: int) -> di
     timed = _median_of(runs, lambda: _timed(engine, snapshot))
     kept, engine.prompt_lookup = engine.prompt_lookup, False
     try:
-        timed["answer_one_token_a_pass_s"] = _median_of(runs, lambda: _timed(engine, snapshot))["answer_s"]
+        one_a_pass = _median_of(runs, lambda: _timed(engine, snapshot))
+        timed["answer_one_token_a_pass_s"] = one_a_pass["answer_s"]
+        timed["end_one_token_a_pass_s"] = one_a_pass["end_s"]
     finally:
         engine.prompt_lookup = kept
     return timed
@@ -228,31 +237,40 @@ def print_table(report: dict) -> None:
     r = report["retrieval"]
     print(f"Retrieval route ({r['prompt_tokens']:.0f} prompt tokens, nothing cached): TTFT {r['ttft_s'] * 1000:.0f} ms")
     print(f"{'doc tokens':>10} {'TTFT full s':>11} {'TTFT hit ms':>11} {'hit/q-only':>10} {'decode tok/s':>12} "
-          f"{'vs q-only':>9} {'answer s':>8} {'1 tok/pass':>10} {'B/token':>8} {'load MB/s':>9} {'raw MB/s':>9}")
+          f"{'vs q-only':>9} {'answer s':>8} {'1 tok/pass':>10} {'to end s':>8} {'1 tok/pass':>10} {'B/token':>8} "
+          f"{'load MB/s':>9} {'raw MB/s':>9}")
     for row in report["documents"]:
         print(f"{row['document_tokens']:>10} {row['ttft_full_s']:>11.2f} {row['hit_ttft_s'] * 1000:>11.0f} "
               f"{row['hit_ttft_s'] / q['ttft_s']:>10.2f} {row['hit_decode_tok_s']:>12.1f} "
               f"{row['hit_decode_tok_s'] / q['decode_tok_s']:>9.2f} {row['hit_answer_s']:>8.2f} "
-              f"{row['hit_answer_one_token_a_pass_s']:>10.2f} "
-              f"{row['snapshot_bytes_per_token']:>8.0f} {row['load_mb_s']:>9.0f} {row['raw_read_mb_s']:>9.0f}")
+              f"{row['hit_answer_one_token_a_pass_s']:>10.2f} {row['hit_end_s']:>8.2f} "
+              f"{row['hit_end_one_token_a_pass_s']:>10.2f} {row['snapshot_bytes_per_token']:>8.0f} "
+              f"{row['load_mb_s']:>9.0f} {row['raw_read_mb_s']:>9.0f}")
     peer = report.get("peer")
     if peer and "cases" in peer:
         print(f"llama.cpp {peer['llama_cpp_version']} on {peer['gguf']}, same token ids and threads, state saved "
-              f"after the document and restored per answer:")
+              f"after the document and restored per answer; its runs alternate with ours, whose medians over "
+              f"those runs are compared here:")
         print(f"{'doc tokens':>10} {'restore ms':>10} {'TTFT ms':>8} {'decode tok/s':>12} {'answer s':>8} "
-              f"{'state MB':>8} {'ours faster':>11} {'1 tok/pass':>10}")
-        ours = {"question-only": (q["answer_s"], q["answer_one_token_a_pass_s"]),
-                **{str(row["requested_tokens"]): (row["hit_answer_s"], row["hit_answer_one_token_a_pass_s"])
-                   for row in report["documents"]}}
+              f"{'state MB':>8} {'ours s':>6} {'faster':>7} {'1 tok/pass':>10} {'to end s':>8} {'ours s':>6} "
+              f"{'faster':>7} {'1 tok/pass':>10}")
+        ours = peer["ours"]
         for case in peer["cases"]:
+            mine = ours[case["name"]]
             if case["name"] == "retrieval":
                 print(f"{'retrieval':>10} full prefill of {r['prompt_tokens']:.0f} tokens on both: TTFT ours "
-                      f"{r['ttft_s'] * 1000:.0f} ms, llama.cpp {case['ttft_s'] * 1000:.0f} ms, ours faster "
-                      f"{case['ttft_s'] / r['ttft_s']:.2f}x")
+                      f"{mine['ttft_s'] * 1000:.0f} ms, llama.cpp {case['ttft_s'] * 1000:.0f} ms, ours faster "
+                      f"{case['ttft_s'] / mine['ttft_s']:.2f}x")
                 continue
             print(f"{case['name']:>10} {case['restore_s'] * 1000:>10.1f} {case['ttft_s'] * 1000:>8.0f} "
                   f"{case['decode_tok_s']:>12.1f} {case['answer_s']:>8.2f} {case['state_bytes'] / 1e6:>8.1f} "
-                  f"{case['answer_s'] / ours[case['name']][0]:>10.2f}x {case['answer_s'] / ours[case['name']][1]:>9.2f}x")
+                  f"{mine['answer_s']:>6.2f} {case['answer_s'] / mine['answer_s']:>6.2f}x "
+                  f"{case['answer_s'] / mine['answer_one_token_a_pass_s']:>9.2f}x {case['end_s']:>8.2f} "
+                  f"{mine['end_s']:>6.2f} {case['end_s'] / mine['end_s']:>6.2f}x "
+                  f"{case['end_s'] / mine['end_one_token_a_pass_s']:>9.2f}x")
+        lengths = ", ".join(f"{name} {timing['end_tokens']:.0f} tokens" for name, timing in ours.items()
+                            if "end_tokens" in timing)
+        print(f"to end: until the answer's own end-of-turn token, the answer a user reads ({lengths})")
     elif peer:
         print(f"llama.cpp: not measured ({peer['error']})")
     if report["batches"]:
@@ -269,20 +287,45 @@ def print_table(report: dict) -> None:
           f"{serving['answers_per_s']:.2f} answers/s")
 
 
+def _ours_once(engine: Engine, snapshots: dict[int, Snapshot], passages: list[Passage]) -> dict[str, dict]:
+    """One run of each peer case on our engine, keyed by case name."""
+    ours = {"question-only": _timed_both_ways(engine, None, 1),
+            "retrieval": {"ttft_s": engine.answer(QUESTIONS[0], context=passages, max_new_tokens=1).ttft_s}}
+    return ours | {str(tokens): _timed_both_ways(engine, snapshot, 1) for tokens, snapshot in snapshots.items()}
+
+
 def _peer(engine: Engine, model: str, snapshots: dict[int, Snapshot], passages: list[Passage], runs: int) -> dict:
+    """llama.cpp on the same cases, alternating single runs with our engine's (the machine's speed drifts over
+    a run of minutes: measured one after the other, the ratio at 8k moved between 1.16x and 1.63x). A first
+    llama.cpp call evaluates and saves each document's state (its prefill time is reported) and warms up."""
+    import tempfile
+
     from ..engine.model import gguf_file
     from .llama_cpp_peer import PeerUnavailable, run_peer
 
     gguf = gguf_file(model)
     if gguf is None:
         return {"error": f"{model} is not a GGUF file or preset: llama.cpp needs one"}
-    print("measuring llama.cpp on the same file...", file=sys.stderr, flush=True)
-    try:
-        result = run_peer(gguf, torch.get_num_threads(), engine.max_context_tokens,
-                          _peer_cases(engine, snapshots, passages), ANSWER_TOKENS, runs)
-    except PeerUnavailable as exc:
-        return {"error": str(exc)}
-    return {"gguf": gguf.name, **result}
+    print("measuring llama.cpp on the same file, alternating runs with ours...", file=sys.stderr, flush=True)
+    cases = _peer_cases(engine, snapshots, passages)
+    with tempfile.TemporaryDirectory(prefix="cagflow-peer-") as states:
+        def peer_once() -> dict:
+            return run_peer(gguf, torch.get_num_threads(), engine.max_context_tokens, cases, ANSWER_TOKENS, 1,
+                            sorted(engine.eos_ids), Path(states))
+
+        try:
+            prepared = peer_once()
+            ours_runs, peer_runs = [], []
+            for _ in range(runs):
+                ours_runs.append(_ours_once(engine, snapshots, passages))
+                peer_runs.append(peer_once())
+        except PeerUnavailable as exc:
+            return {"error": str(exc)}
+    timed = ("restore_s", "ttft_s", "decode_tok_s", "answer_s", "end_s")
+    peer_cases = [{**case, **_medians([{name: run["cases"][index][name] for name in timed} for run in peer_runs])}
+                  for index, case in enumerate(prepared["cases"])]
+    ours = {name: _medians([run[name] for run in ours_runs]) for name in ours_runs[0]}
+    return {"gguf": gguf.name, "llama_cpp_version": prepared["llama_cpp_version"], "cases": peer_cases, "ours": ours}
 
 
 def main(config: Config, args: argparse.Namespace) -> int:

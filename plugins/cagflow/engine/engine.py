@@ -433,19 +433,22 @@ class Engine:
         raise AssertionError("stream ended without an answer")
 
     def timed_answer(self, question: str, snapshot: Snapshot | None = None, tokens: int = 40,
-                     reuse_cache: bool = True) -> tuple[float, float, list[int]]:
+                     reuse_cache: bool = True) -> tuple[float, float, list[int], float]:
         """For benchmarks: exactly ``tokens`` greedy tokens (EOS does not stop them, so every run decodes the
-        same count) on the route ``answer`` would take; returns (ttft_s, total_s, token ids)."""
+        same count) on the route ``answer`` would take; returns (ttft_s, total_s, token ids, end_s), end_s being
+        when the answer's own end (its first EOS token) came, or total_s when it did not come."""
         started = time.perf_counter()
         route, ids, reused, prefix_len = self._plan(question, snapshot, None, reuse_cache)
         self._check_room(route, ids, reused, tokens)
         prefix = self._fast_prefix(ids, reused, prefix_len, snapshot)[0] if self.fast is not None else None
         generated: list[int] = []
-        ttft = 0.0
+        ttft = end = 0.0
         for token in self._greedy(ids, reused, snapshot, tokens, eos=frozenset(), prefix=prefix):
             ttft = ttft or time.perf_counter() - started
+            end = end or (time.perf_counter() - started if token in self.eos_ids else 0.0)
             generated.append(token)
-        return ttft, time.perf_counter() - started, generated
+        total = time.perf_counter() - started
+        return ttft, total, generated, end or total
 
     def answer_batch(self, questions: Sequence[str], snapshot: Snapshot,
                      max_new_tokens: int | None = None) -> list[Answer]:

@@ -30,15 +30,20 @@ def test_engine_measurements_on_the_tiny_model(tiny_engine, corpus_manifest_path
         assert tokens - 40 <= row["document_tokens"] <= tokens and row["snapshot_bytes_per_token"] == per_token
         assert 0 < row["hit_ttft_s"] < row["hit_answer_s"] and row["hit_decode_tok_s"] > 0
         assert row["hit_answer_one_token_a_pass_s"] > row["hit_ttft_s"]
+        assert row["hit_ttft_s"] <= row["hit_end_s"] <= row["hit_answer_s"] and 1 <= row["hit_end_tokens"] <= 40
+        assert row["hit_ttft_s"] <= row["hit_end_one_token_a_pass_s"] <= row["hit_answer_one_token_a_pass_s"]
         assert row["bytes"] > per_token * row["document_tokens"] and row["load_mb_s"] > 0
     assert [b["questions"] for b in measured["batches"]] == [1, 2]
     cases = engine_bench._peer_cases(tiny_engine, snapshots, passages)
     assert [case["name"] for case in cases] == ["question-only", "retrieval", "300", "600"]
     retrieval = cases[1]  # the retrieval route's whole prompt, none of it restored
     assert retrieval["prefix_ids"] == [] and len(retrieval["question_ids"]) == measured["retrieval"]["prompt_tokens"]
-    peer = {"llama_cpp_version": "x", "gguf": "m.gguf", "cases": [
+    ours = engine_bench._ours_once(tiny_engine, snapshots, passages)
+    assert set(ours) == {case["name"] for case in cases} and ours["retrieval"]["ttft_s"] > 0
+    assert all(ours[name]["end_s"] <= ours[name]["answer_s"] for name in ("question-only", "300", "600"))
+    peer = {"llama_cpp_version": "x", "gguf": "m.gguf", "ours": ours, "cases": [
         {"name": case["name"], "restore_s": 0.01, "ttft_s": 0.1, "decode_tok_s": 50.0, "answer_s": 1.0,
-         "state_bytes": 10**6} for case in cases]}
+         "end_s": 0.5, "state_bytes": 10**6} for case in cases]}
     serving = {"requests": 1, "burst": 1, "distinct_questions": 1, "computed": 1, "merged": 0, "answer-cache": 0,
                "merge_rate": 0.0, "answer_cache_hit_rate": 0.0, "answers_per_s": 1.0}
     engine_bench.print_table({"model": "tiny", "recipe": tiny_engine.recipe, "threads": 1, "runs": 1, **measured,
@@ -46,6 +51,7 @@ def test_engine_measurements_on_the_tiny_model(tiny_engine, corpus_manifest_path
     table = capsys.readouterr().out
     assert measured["prompt_lookup"] == tiny_engine.prompt_lookup and "1 tok/pass" in table
     assert "llama.cpp x on m.gguf" in table and "Retrieval route" in table and "full prefill of" in table
+    assert "to end s" in table and "until the answer's own end-of-turn token" in table
     without_batches = engine_bench.measure(tiny_engine, corpus_manifest_path.parent / "fixed", runs=1,
                                            document_tokens=(300,))
     assert without_batches["batches"] == [] and without_batches["batch_document_tokens"] is None
