@@ -122,7 +122,10 @@ lint: $(STAMP)
 jaeger:
 	@bash docker/static-tools.sh jaeger >/dev/null
 
-UNIT_TESTS = -m "not integration and not real_model and not tools"
+# Only tests/unit is collected (importing tests/integration's modules cost each worker about 4 s); the server run
+# takes every other test, tests/integration's quick ones included (tests/conftest.py marks tests/unit's `unit`).
+UNIT_TESTS = tests/unit -m "unit and not integration and not real_model and not tools"
+SERVER_TESTS = -m "(integration or real_model or not unit) and not tools"
 # The quick tests on two workers (a test module stays on one, so its fixtures are built once): 81 s against 110 s
 # on this 2-core machine. The server tests run one at a time: each starts servers sized for the machine.
 UNIT_WORKERS = -n 2 --dist loadscope
@@ -131,7 +134,7 @@ UNIT_WORKERS = -n 2 --dist loadscope
 # Both runs always run; the command fails when either does.
 test: lint install browser redis jaeger
 	$(BIN)/python -m pytest $(UNIT_TESTS) $(UNIT_WORKERS) $(PYTEST_ARGS); unit=$$?; \
-	  $(BIN)/python -m pytest -m "(integration or real_model) and not tools" $(PYTEST_ARGS); servers=$$?; \
+	  $(BIN)/python -m pytest $(SERVER_TESTS) $(PYTEST_ARGS); servers=$$?; \
 	  exit $$(( unit || servers ))
 
 # The quick tests, offline: no server (integration), no real model (real_model) and no Go build (tools).

@@ -16,6 +16,16 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_MANIFEST = REPO / "corpus" / "manifest.yaml"
+UNIT_DIR = REPO / "tests" / "unit"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests of tests/unit ``unit``, so that make test's two runs split every test between them: the
+    quick run collects tests/unit alone (``unit and not integration and not real_model``) and the server run
+    takes the rest (``integration or real_model or not unit``), including tests/integration's quick ones."""
+    for item in items:
+        if UNIT_DIR in item.path.parents:
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.fixture(scope="session")
