@@ -126,8 +126,8 @@ jaeger:
 # takes every other test, tests/integration's quick ones included (tests/conftest.py marks tests/unit's `unit`).
 UNIT_TESTS = tests/unit -m "unit and not integration and not real_model and not tools"
 SERVER_TESTS = -m "(integration or real_model or not unit) and not tools"
-# The quick tests on two workers (a test module stays on one, so its fixtures are built once): 81 s against 110 s
-# on this 2-core machine. The server tests run one at a time: each starts servers sized for the machine.
+# The quick tests on two workers (a test module stays on one, so its fixtures are built once): make test-unit 71 s
+# wall on this 2-core machine. The server tests run one at a time: each starts servers sized for the machine.
 UNIT_WORKERS = -n 2 --dist loadscope
 
 # Every test but the container files' static checks (marked tools), which need the Go-built linters: `make test-static`.

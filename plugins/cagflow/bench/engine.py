@@ -310,7 +310,7 @@ def _peer(engine: Engine, model: str, snapshots: dict[int, Snapshot], passages: 
     cases = _peer_cases(engine, snapshots, passages)
     with tempfile.TemporaryDirectory(prefix="cagflow-peer-") as states:
         def peer_once() -> dict:
-            return run_peer(gguf, torch.get_num_threads(), engine.max_context_tokens, cases, ANSWER_TOKENS, 1,
+            return run_peer(gguf, torch.get_num_threads(), engine.max_context_tokens, cases, ANSWER_TOKENS,
                             sorted(engine.eos_ids), Path(states))
 
         try:

@@ -77,14 +77,15 @@ def ensure_peer() -> Path:
     return _peer_python()
 
 
-def run_peer(gguf: Path, threads: int, n_ctx: int, cases: list[dict], new_tokens: int, runs: int,
-             stop_ids: list[int], state_dir: Path) -> dict:
-    """Time ``cases`` (``name``, ``prefix_ids``, ``question_ids``) on llama.cpp; see ``llama_cpp_runner``.
+def run_peer(gguf: Path, threads: int, n_ctx: int, cases: list[dict], new_tokens: int, stop_ids: list[int],
+             state_dir: Path) -> dict:
+    """Time one run of each of ``cases`` (``name``, ``prefix_ids``, ``question_ids``) on llama.cpp; see
+    ``llama_cpp_runner``.
     ``stop_ids`` end an answer (the time to the first of them is reported; decoding goes on past it); the
     prefix states are kept in ``state_dir`` for the next call with the same cases."""
     python = ensure_peer()
     job = {"gguf": str(gguf), "threads": threads, "n_ctx": n_ctx, "cases": cases, "new_tokens": new_tokens,
-           "runs": runs, "stop_ids": stop_ids, "state_dir": str(state_dir)}
+           "stop_ids": stop_ids, "state_dir": str(state_dir)}
     result = subprocess.run([str(python), str(RUNNER)], input=json.dumps(job), capture_output=True, text=True)
     if result.returncode != 0:
         raise PeerUnavailable(f"llama.cpp run failed: {result.stderr.strip()[-500:]}")

@@ -4,7 +4,7 @@ with llama.cpp, and prints the timings as JSON. Reads its job, JSON, on stdin; i
 
 For each case: the document prefix is evaluated once and its state saved (``llama_state_get_data``) into
 the job's ``state_dir``, where a later job finds it instead of evaluating the prefix again (so the caller
-can alternate single runs with its own engine); then, per run, the state is restored
+can alternate single runs with its own engine); then, in one timed run, the state is restored
 (``llama_state_set_data``), the question evaluated (time to first token) and greedy tokens decoded one at
 a time to the answer length, ignoring end-of-sequence so every run decodes the same count; the time to the
 answer's own end (its first stop token) is noted on the way.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -49,29 +48,24 @@ def _run_case(llm, llama_cpp, case: dict, job: dict) -> dict:
     state, prefill_s = _prefix_state(llm, llama_cpp, case, Path(job["state_dir"]))
     buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
     state_bytes, prefix_tokens = len(state), len(case["prefix_ids"])
-    timings = []
-    tokens: list[int] = []
-    for _ in range(job["runs"]):
-        started = time.perf_counter()
-        if llama_cpp.llama_state_set_data(llm._ctx.ctx, buffer, state_bytes) != state_bytes:
-            raise RuntimeError("llama_state_set_data failed")
-        llm.n_tokens = prefix_tokens
-        restored = time.perf_counter()
-        llm.eval(case["question_ids"])
-        tokens = [_greedy_token(llm, n_vocab)]
-        first = time.perf_counter()
-        end = first if tokens[0] in stop_ids else 0.0
-        while len(tokens) < new_tokens:
-            llm.eval([tokens[-1]])
-            tokens.append(_greedy_token(llm, n_vocab))
-            end = end or (time.perf_counter() if tokens[-1] in stop_ids else 0.0)
-        done = time.perf_counter()
-        timings.append({"restore_s": restored - started, "ttft_s": first - restored,
-                        "decode_tok_s": (new_tokens - 1) / (done - first), "answer_s": done - started,
-                        "end_s": (end or done) - started})
-    median = {name: statistics.median(run[name] for run in timings) for name in timings[0]}
+    started = time.perf_counter()
+    if llama_cpp.llama_state_set_data(llm._ctx.ctx, buffer, state_bytes) != state_bytes:
+        raise RuntimeError("llama_state_set_data failed")
+    llm.n_tokens = prefix_tokens
+    restored = time.perf_counter()
+    llm.eval(case["question_ids"])
+    tokens = [_greedy_token(llm, n_vocab)]
+    first = time.perf_counter()
+    end = first if tokens[0] in stop_ids else 0.0
+    while len(tokens) < new_tokens:
+        llm.eval([tokens[-1]])
+        tokens.append(_greedy_token(llm, n_vocab))
+        end = end or (time.perf_counter() if tokens[-1] in stop_ids else 0.0)
+    done = time.perf_counter()
     return {"name": case["name"], "prefix_tokens": prefix_tokens, "prefill_s": prefill_s, "state_bytes": state_bytes,
-            "tokens": tokens, **median}
+            "tokens": tokens, "restore_s": restored - started, "ttft_s": first - restored,
+            "decode_tok_s": (new_tokens - 1) / (done - first), "answer_s": done - started,
+            "end_s": (end or done) - started}
 
 
 def main() -> int:
