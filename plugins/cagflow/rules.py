@@ -34,7 +34,8 @@ RULES: dict[str, Rule] = {rule.name: rule for rule in (
          "a Chinese question most of whose words (jieba: nouns, verbs, numbers ...; two characters or more) its "
          "document and passages lack: it is about another document"),
     Rule("not_in_documents", "decline", "engine",
-         "the relevance check: P(yes, the text answers the question) below model.relevance.decline_below_<lang>"),
+         "the answer check: P(yes, the text gives this answer to the question) below "
+         "model.relevance.decline_below_<lang>"),
     Rule("reask_document_alone", "reask", "engine",
          "a decline with newer passages after the snapshot is asked again over the document alone"),
     Rule("reask_relevant_decline", "reask", "engine",

@@ -42,6 +42,8 @@ class Wording:
     excerpt_reminder: str
     newer_label: str
     relevance_question: str  # asks whether the text answers ``{question}``, to be answered yes or no
+    # asks whether the text gives ``{answer}`` as the answer to ``{question}``: the check of an answer given
+    answer_check: str
     yes: str
     no: str
 
@@ -74,6 +76,8 @@ WORDINGS = {
                           f"this exact question, reply: {_EN_DECLINED})"),
         newer_label="[Newer text]",
         relevance_question='Does the text above answer this question: "{question}"? Reply Yes or No.',
+        answer_check=('Question: "{question}"\nProposed answer: "{answer}"\nDoes the text above say that this is '
+                      'the answer to this question? Reply Yes or No.'),
         yes="Yes", no="No"),
     "zh": Wording(
         declined=_ZH_DECLINED,
@@ -87,6 +91,7 @@ WORDINGS = {
         excerpt_reminder=f"（摘录是上面文本的一部分。只根据该文本回答。如果它没有回答这个问题，请回复：{_ZH_DECLINED}）",
         newer_label="[较新文本]",
         relevance_question="上面的文本能回答这个问题吗：“{question}”？只回答“是”或“否”。",
+        answer_check="问题：“{question}”\n候选答案：“{answer}”\n上面的文本是否说明这就是这个问题的答案？只回答“是”或“否”。",
         yes="是", no="否"),
 }
 DECLINED_ANSWER = _EN_DECLINED
@@ -222,11 +227,14 @@ class PromptBuilder:
         reminder = words.question_reminder if may_decline else words.answer_reminder
         return self._render(system, f"{question}\n\n{reminder}")
 
-    def relevance_text(self, system: str, question: str, updates: Sequence[Passage] = ()) -> str:
+    def relevance_text(self, system: str, question: str, updates: Sequence[Passage] = (), answer: str = "") -> str:
         """The prompt that asks, after the same system turn (and newer passages), whether the text answers the
-        question: answered by one yes or no token (``Engine.relevance``)."""
+        question, or with ``answer``, whether it gives that answer to it: answered by one yes or no token
+        (``Engine.relevance``)."""
         question = clean_question(question)
-        check = wording(question).relevance_question.format(question=question)
+        words = wording(question)
+        check = (words.answer_check.format(question=question, answer=answer) if answer
+                 else words.relevance_question.format(question=question))
         return self._render(system, f"{updates_text(updates, question)}\n\n{check}" if updates else check)
 
     def _render(self, system: str, user: str) -> str:
@@ -266,9 +274,9 @@ class PromptBuilder:
                            joined)
 
     def tokenize_relevance(self, system: str, question: str, prefix_ids: Sequence[int] | None = None,
-                           updates: Sequence[Passage] = (), joined: bool = False) -> TokenizedPrompt:
+                           updates: Sequence[Passage] = (), joined: bool = False, answer: str = "") -> TokenizedPrompt:
         """The relevance check's prompt, split where the (shared) prefix ends, like ``tokenize``."""
-        return self._split(system, self.relevance_text(system, question, updates), prefix_ids, joined)
+        return self._split(system, self.relevance_text(system, question, updates, answer), prefix_ids, joined)
 
     def _split(self, system: str, full_text: str, prefix_ids: Sequence[int] | None,
                joined: bool = False) -> TokenizedPrompt:

@@ -413,7 +413,10 @@ class Engine:
         decline_below, reask_from = self.relevance_check.thresholds(language(question))
         if not (answer.answered and decline_below > 0 or answer.decline_reason == "model_declined" and reask_from <= 1):
             return False
-        answer.relevance = self.relevance(question, snapshot, context, reused, prefix)
+        # An answer is checked with its own words: asked whether the text answers the question, the model says
+        # yes as readily to a near-miss question (one fact of the text changed) as to the one the text answers.
+        answer.relevance = self.relevance(question, snapshot, context, reused, prefix,
+                                          answer.text if answer.answered else "")
         if answer.answered and answer.relevance < decline_below and self._applies(answer, "not_in_documents"):
             answer.answered, answer.not_relevant = False, True
         return (not answer.answered and not answer.not_relevant and answer.relevance >= reask_from
@@ -492,18 +495,19 @@ class Engine:
 
     @torch.inference_mode()
     def relevance(self, question: str, snapshot: Snapshot | None = None, context: Sequence[Passage] | None = None,
-                  reused: int = 0, prefix=None) -> float:
+                  reused: int = 0, prefix=None, answer: str = "") -> float:
         """The model's probability that the document (``snapshot``) or passages (``context``; with a snapshot:
-        newer passages after it) answer ``question``: it is asked so, after the same system turn, and its
-        "yes" and "no" tokens are compared. The prompt shares the answer's prefix (``reused`` snapshot ids, or
-        the int8 engine's ``prefix``), so only the check's own tokens are prefilled."""
+        newer passages after it) answer ``question`` (with ``answer``: give that answer to it): it is asked so,
+        after the same system turn, and its "yes" and "no" tokens are compared. The prompt shares the answer's
+        prefix (``reused`` snapshot ids, or the int8 engine's ``prefix``), so only the check's own tokens are
+        prefilled."""
         if snapshot is not None:
             prompt = self.prompts.tokenize_relevance(snapshot.system_prompt, question, snapshot.prefix_token_ids,
-                                                     updates=context or ())
+                                                     updates=context or (), answer=answer)
         else:
             prompt = self.prompts.tokenize_relevance(passages_system(context or (), question), question,
                                                      self.prompts.passage_layout(context or (), question).ids,
-                                                     joined=True)
+                                                     joined=True, answer=answer)
         ids = prompt.ids
         if self.fast is not None:
             if prefix is None:

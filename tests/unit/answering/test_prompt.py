@@ -45,6 +45,11 @@ def test_relevance_prompt_follows_the_same_prefix_and_asks_in_the_questions_lang
     text = builder.relevance_text(system, question, updates)
     assert words.relevance_question.format(question=question) in text and words.newer_label in text
     assert builder.tokenize_relevance(system, question, updates=updates).prefix_len == plain.prefix_len
+    answer = "It listens on {8443}."  # braces in an answer are text, not a format field
+    checked = builder.relevance_text(system, question, answer=answer)
+    assert words.answer_check.format(question=question, answer=answer) in checked and answer in checked
+    assert words.relevance_question.format(question=question) not in checked
+    assert builder.tokenize_relevance(system, question, answer=answer).prefix_len == plain.prefix_len
 
 
 # The generation prompt of Qwen3's chat template, with its switch for thinking.

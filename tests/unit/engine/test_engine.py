@@ -129,8 +129,12 @@ def test_relevance_check_shares_the_answers_prefix_and_declines_below_its_thresh
     from_snapshot = engine.relevance(QUESTIONS[0], snapshot, reused=snapshot.n_tokens, prefix=prefix)
     assert 0.0 <= from_snapshot <= 1.0
     assert engine.relevance(QUESTIONS[0], snapshot) == pytest.approx(from_snapshot, abs=1e-5)  # prefix computed here
+    # an answer is checked with its own words
+    given = engine.answer(QUESTIONS[0], snapshot=snapshot).text
+    checked = engine.relevance(QUESTIONS[0], snapshot, reused=snapshot.n_tokens, prefix=prefix, answer=given)
+    assert 0.0 <= checked <= 1.0 and checked != pytest.approx(from_snapshot, abs=1e-6)
 
-    threshold = (from_snapshot + 1.0) / 2  # just above what the model says of this document
+    threshold = (checked + 1.0) / 2  # just above what the model says of this answer
     strict = Engine(engine.loaded, engine.max_context_tokens, engine.max_new_tokens, engine.question_budget_tokens,
                     RelevanceConfig(decline_below_en=threshold))
     for answer in (strict.answer(QUESTIONS[0], snapshot=snapshot),
@@ -139,8 +143,10 @@ def test_relevance_check_shares_the_answers_prefix_and_declines_below_its_thresh
         if answer.decline_reason not in (None, "model_declined", "not_in_documents"):  # grounding declined it
             assert answer.relevance is None
             continue
-        assert answer.relevance == pytest.approx(from_snapshot, abs=1e-5)
+        assert answer.relevance == pytest.approx(from_snapshot if answer.decline_reason == "model_declined"
+                                                 else checked, abs=1e-5)
         if answer.decline_reason != "model_declined":
+            assert answer.text == given
             assert not answer.answered and answer.not_relevant and answer.decline_reason == "not_in_documents"
     retrieval = strict.answer("Which port?", context=passages)
     if retrieval.relevance is not None and retrieval.decline_reason != "model_declined":
