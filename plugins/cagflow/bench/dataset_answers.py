@@ -41,7 +41,8 @@ def _reply_fields(reply: dict, seconds: float) -> dict:
             "cache_doc_id": snapshot.get("doc_id"),
             "sources": sorted(cited | ({snapshot["doc_id"]} if snapshot.get("doc_id") else set())),
             "decline_reason": reply.get("decline_reason"), "rules_fired": reply.get("rules_fired", []),
-            "seconds": seconds, "ttft_s": (reply.get("timings_ms") or {}).get("ttft", 0.0) / 1000,
+            "relevance": reply.get("relevance"), "seconds": seconds,
+            "ttft_s": (reply.get("timings_ms") or {}).get("ttft", 0.0) / 1000,
             "timings_ms": reply.get("timings_ms") or {}, "tokens": reply.get("tokens") or {},
             "computed": reply.get("answer_source") in (None, "computed"),
             "quotes": [item.get("quote") for item in reply.get("citations", [])]}
