@@ -264,11 +264,9 @@ class RelevanceConfig(_Section):
     them."""
 
     enabled: bool = True
-    # An answer is declined (not_in_documents) below this (0: never): P(yes) that the text gives that answer to
-    # the question. Off by default: English 0.66 (chosen on SQuAD 2.0's calibration half) declines 6 more of 15
-    # near-miss questions on its report half but costs 5 of 22 right answers there, and 14 right answers for 7
-    # declines on the sample questions (bench/README.md "The answer check"). For deployments that would
-    # rather decline than risk a wrong answer.
+    # An answer is declined (not_in_documents) below this P(yes, the text gives that answer) (0: never). Off: in
+    # English 0.66 declines 6 more of 15 near-miss SQuAD 2.0 questions but costs 5 of 22 right answers, and 14
+    # right answers for 7 declines on the sample questions (bench/README.md "The answer check").
     decline_below_en: float = Field(0.0, ge=0.0, le=1.0)
     decline_below_zh: float = Field(0.0, ge=0.0, le=1.0)
     # A decline by the model is asked again from this up (above 1: never): "excerpt" quotes the part of the

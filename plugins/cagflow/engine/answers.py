@@ -4,6 +4,7 @@ it was answered from; and the part of that text closest to a question (what a de
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
 
@@ -11,6 +12,27 @@ from ..answering import grounding
 from ..answering.prompt import Passage, passages_system
 from ..documents.snapshot import Snapshot
 from ..documents.text import overlap_scores
+
+
+class Stages:
+    """Where an answer's time went, stage by stage: the laps, back to back, add up to its total."""
+
+    def __init__(self, started: float):
+        self.last = started
+        self.laps: list[tuple[str, float, float]] = []  # (stage, start, end): the answer's trace spans
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.laps.append((stage, self.last, now))
+        self.last = now
+
+    @property
+    def ms(self) -> dict[str, float]:
+        """Milliseconds per stage, a stage run twice (the answer's rest after the relevance check) summed."""
+        totals: dict[str, float] = {}
+        for stage, start, end in self.laps:
+            totals[stage] = totals.get(stage, 0.0) + (end - start) * 1000
+        return {stage: round(ms, 2) for stage, ms in totals.items()}
 
 
 @dataclass
@@ -31,7 +53,7 @@ class Answer:
     not_relevant: bool = False  # declined because that probability was below the engine's threshold
     reasked: bool = False  # the model declined, judged its text to answer after all, and was asked again
     rules_fired: tuple[str, ...] = ()  # the rules (cagflow.rules) that held for this answer, switched off or not
-    # milliseconds per stage (engine.Stages): prefix (the system turn: a snapshot, reused passage states or a
+    # milliseconds per stage (Stages): prefix (the system turn: a snapshot, reused passage states or a
     # prefill), answer (question prefill and decoding), relevance (the check), reask (second attempts)
     stages_ms: dict[str, float] = field(default_factory=dict)
     # the same stages as (stage, start, end) ``time.perf_counter()`` instants of the computing process, in order:

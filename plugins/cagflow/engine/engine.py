@@ -27,7 +27,7 @@ from ..documents.parsing import ParsedDocument
 from ..documents.snapshot import Snapshot
 from ..documents.text import focus, language
 from ..errors import CagflowError
-from .answers import Answer, Decoded, closest_part, document_body, grounded_answer
+from .answers import Answer, Decoded, Stages, closest_part, document_body, grounded_answer
 from .fastlm import PrefixKV
 from .model import LoadedModel, load_model
 from .parts import DocumentPart, split_document
@@ -37,27 +37,6 @@ from .shared_prefix import SharedPrefixDecoder
 from .shared_prefix import supports as supports_shared_prefix
 
 QUESTION_ONLY_SYSTEM = "You are a support assistant. Answer the user's question in one or two short sentences."
-
-
-class Stages:
-    """Where an answer's time went, stage by stage: the laps, back to back, add up to its total."""
-
-    def __init__(self, started: float):
-        self.last = started
-        self.laps: list[tuple[str, float, float]] = []  # (stage, start, end): the answer's trace spans
-
-    def lap(self, stage: str) -> None:
-        now = time.perf_counter()
-        self.laps.append((stage, self.last, now))
-        self.last = now
-
-    @property
-    def ms(self) -> dict[str, float]:
-        """Milliseconds per stage, a stage run twice (the answer's rest after the relevance check) summed."""
-        totals: dict[str, float] = {}
-        for stage, start, end in self.laps:
-            totals[stage] = totals.get(stage, 0.0) + (end - start) * 1000
-        return {stage: round(ms, 2) for stage, ms in totals.items()}
 
 
 class SnapshotMismatch(CagflowError, ValueError):
@@ -413,10 +392,8 @@ class Engine:
         decline_below, reask_from = self.relevance_check.thresholds(language(question))
         if not (answer.answered and decline_below > 0 or answer.decline_reason == "model_declined" and reask_from <= 1):
             return False
-        # An answer is checked with its own words: asked whether the text answers the question, the model says
-        # yes as readily to a near-miss question (one fact of the text changed) as to the one the text answers.
-        answer.relevance = self.relevance(question, snapshot, context, reused, prefix,
-                                          answer.text if answer.answered else "")
+        given = answer.text if answer.answered else ""  # its own words tell a near-miss question apart better
+        answer.relevance = self.relevance(question, snapshot, context, reused, prefix, given)
         if answer.answered and answer.relevance < decline_below and self._applies(answer, "not_in_documents"):
             answer.answered, answer.not_relevant = False, True
         return (not answer.answered and not answer.not_relevant and answer.relevance >= reask_from
@@ -497,10 +474,9 @@ class Engine:
     def relevance(self, question: str, snapshot: Snapshot | None = None, context: Sequence[Passage] | None = None,
                   reused: int = 0, prefix=None, answer: str = "") -> float:
         """The model's probability that the document (``snapshot``) or passages (``context``; with a snapshot:
-        newer passages after it) answer ``question`` (with ``answer``: give that answer to it): it is asked so,
-        after the same system turn, and its "yes" and "no" tokens are compared. The prompt shares the answer's
-        prefix (``reused`` snapshot ids, or the int8 engine's ``prefix``), so only the check's own tokens are
-        prefilled."""
+        newer passages after it) answer ``question`` (with ``answer``: give that answer): it is asked so, after
+        the same system turn, and its "yes" and "no" tokens are compared. The prompt shares the answer's prefix
+        (``reused`` snapshot ids, or the int8 engine's ``prefix``): only the check's own tokens are prefilled."""
         if snapshot is not None:
             prompt = self.prompts.tokenize_relevance(snapshot.system_prompt, question, snapshot.prefix_token_ids,
                                                      updates=context or (), answer=answer)
