@@ -28,6 +28,7 @@ from typing import Callable
 from ..config import Config
 from ..answering.qa import QAItem, halves, load_qa
 from .report import save_report
+from .scoring import RELEVANCE_GRID
 
 PRECISIONS = ("int8", "fp32")
 MAX_NEW_TOKENS = 64
@@ -167,7 +168,6 @@ def summarise(rows: list[dict]) -> dict:
             "unanswerable_declined_by": declines}
 
 
-RELEVANCE_GRID = tuple(round(0.05 * step, 2) for step in range(20)) + (0.96, 0.97, 0.98, 0.99)
 KEEP_RIGHT = 0.98  # the decline threshold may cost at most 2 % of the answers that were right
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from ..config import CACHE_HOME, Config
 from ..client.demo import format_breakdown, percentile, stage_breakdown
 from . import scoring
+from .scoring import RELEVANCE_GRID
 from ..rules import RULES
 from .datasets import SPLITS, Dataset, DatasetError, DatasetQuestion, load_dataset, merged_manifest
 from .report import save_report
@@ -213,6 +214,62 @@ def ablation(rows: list[dict], questions: dict[str, DatasetQuestion], route: str
     return table
 
 
+def _checked(asked: dict, threshold: float) -> bool:
+    """Whether an answer stands at another decline threshold of the answer check: one the model gave and the
+    check rated stands from its relevance up; every other verdict does not depend on the threshold."""
+    if asked.get("decline_reason") not in (None, "not_in_documents") or asked.get("relevance") is None:
+        return asked["answered"]
+    return asked["relevance"] >= threshold
+
+
+def check_sweep(rows: list[dict], questions: dict[str, DatasetQuestion], route: str) -> dict:
+    """What the answer check (``not_in_documents``) would do at each threshold, replayed from one run's records
+    on ``route``, per language and half: answerable questions right, unanswerable ones declined, wrong answers
+    shown. A language whose answers lack their relevance (the check was off: run with
+    ``model.relevance.decline_below_<language>`` above 0, e.g. 0.01, to record it) is left out. ``calibrated``:
+    the threshold with the most right answers and declines on the calibration half (the lowest of equals)."""
+    sweeps = {}
+    for language in sorted({row["language"] for row in rows}):
+        mine = [row for row in rows if row["language"] == language and row.get(route) and "error" not in row[route]]
+        if not mine or any(row[route].get("relevance") is None for row in mine
+                           if row[route]["answered"] or row[route].get("decline_reason") == "not_in_documents"):
+            continue
+        halves = {}
+        for split in SPLITS:
+            counts = {}
+            for threshold in RELEVANCE_GRID:
+                count = Counter()
+                for row in (row for row in mine if row["split"] == split):
+                    asked, question = row[route], questions[row["id"]]
+                    shown = _checked(asked, threshold)
+                    text = asked.get("model_answer") or asked["answer"]
+                    fact = question.answerable and scoring.contains_gold(question.answers, text, question.language)
+                    count["answerable_right"] += shown and fact
+                    count["unanswerable_declined"] += not question.answerable and not shown
+                    count["wrong_shown"] += shown and not fact
+                counts[str(threshold)] = dict(count)
+            halves[split] = counts
+
+        def score(threshold: str) -> tuple[int, float]:
+            cell = halves["calibration"][threshold]
+            return cell.get("answerable_right", 0) + cell.get("unanswerable_declined", 0), -float(threshold)
+
+        chosen = max(halves["calibration"], key=score)
+        sweeps[language] = {"calibrated": float(chosen), **halves}
+    return sweeps
+
+
+def print_check_sweep(route: str, sweeps: dict) -> None:
+    for language, sweep in sweeps.items():
+        print(f"\nanswer check, {language}, {route} route, at each decline threshold: answerable right / "
+              f"unanswerable declined / wrong answers shown (calibrated: {sweep['calibrated']})")
+        print(f"{'threshold':>10}" + "".join(f"{split + ' half':>24}" for split in SPLITS))
+        for threshold in sweep["calibration"]:
+            cells = "".join("{answerable_right:>12} / {unanswerable_declined:>3} / {wrong_shown:>3}".format_map(
+                Counter(sweep[split][threshold])) for split in SPLITS)
+            print(f"{threshold:>10}{cells}")
+
+
 def print_ablation(title: str, table: dict) -> None:
     print(f"\n{title}: what each rule did (net: right answers it adds; decline rules: when it decided alone)")
     for name, effect in table.items():
@@ -330,6 +387,8 @@ def run(config: Config, args: argparse.Namespace) -> int:
               "splits": {split: summarise([row for row in rows if row["split"] == split]) for split in SPLITS},
               "ablation": {split: ablation([row for row in rows if row["split"] == split],
                                            {question.id: question for question in questions}) for split in SPLITS},
+              "answer_check": {route: check_sweep(rows, {question.id: question for question in questions}, route)
+                               for route in routes},
               "rows": rows}
     print(f"{dataset.name}: {config.model.path} through {client.base_url} ({MAX_NEW_TOKENS} new tokens at most)")
     for split in SPLITS:
@@ -337,6 +396,8 @@ def run(config: Config, args: argparse.Namespace) -> int:
             print_summary(f"{split} half", report["splits"][split])
             if getattr(args, "ablate", False):
                 print_ablation(f"{split} half, auto route", report["ablation"][split])
+    for route, sweeps in report["answer_check"].items():
+        print_check_sweep(route, sweeps)
     saved = save_report(f"answers-{dataset.name}", report)
     if saved:
         print(f"written {saved}")

@@ -15,6 +15,8 @@ import string
 from collections import Counter
 from typing import Iterable, Sequence
 
+# The decline thresholds of the answer check a run is replayed at (``bench answers``: sample set and datasets).
+RELEVANCE_GRID = tuple(round(0.05 * step, 2) for step in range(20)) + (0.96, 0.97, 0.98, 0.99)
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 _PUNCTUATION = set(string.punctuation)
 # CMRC 2018's evaluation script drops these characters before comparing (its "……" is two of them).

@@ -191,3 +191,39 @@ def test_route_timing_is_what_a_user_waits_on_computed_answers():
     assert timing["ttft_s"] == {"p50": 0.5, "p95": 0.7} and timing["total_s"] == {"p50": 3.0, "p95": 9.0}
     assert timing["short_total_p50_s"] == 2.5 and timing["decode_ms_per_token_p50"] == 100.0
     assert dataset_answers.route_timing(answers[3:]) is None
+
+
+def test_the_answer_check_is_replayed_at_each_threshold_from_one_runs_records(tmp_path, capsys):
+    root = _write(tmp_path / "set", [_q("1", "alpha", split="calibration"),
+                                     _q("2", None, "near_miss", article="alpha", split="calibration"),
+                                     _q("3", "alpha", split="calibration"), _q("4", "beta", split="report"),
+                                     _q("5", None, "near_miss", article="beta", split="report")])
+    questions = {question.id: question for question in load_dataset(str(root)).questions}
+
+    def row(id, split, answered, relevance, text, reason=None):
+        return {"id": id, "language": "en", "split": split,
+                "cache": {"answered": answered, "relevance": relevance, "decline_reason": reason,
+                          "answer": text if answered else "The documents do not contain the answer.",
+                          "model_answer": None if answered else text}}
+
+    rows = [row("1", "calibration", True, 0.8, "It is 42."),
+            row("2", "calibration", True, 0.4, "It is 7."),  # a near-miss question answered
+            row("3", "calibration", False, 0.3, "It is 9.", "not_in_documents"),  # a wrong answer the check stopped
+            row("4", "report", True, 0.9, "It is 42."),
+            row("5", "report", False, None, "", "model_declined")]  # the model's own decline stands
+    sweep = dataset_answers.check_sweep(rows, questions, "cache")["en"]
+    calibration, report = sweep["calibration"], sweep["report"]
+    assert calibration["0.0"] == {"answerable_right": 1, "unanswerable_declined": 0, "wrong_shown": 2}
+    assert calibration["0.4"] == {"answerable_right": 1, "unanswerable_declined": 0, "wrong_shown": 1}
+    assert calibration["0.45"] == {"answerable_right": 1, "unanswerable_declined": 1, "wrong_shown": 0}
+    assert calibration["0.85"] == {"answerable_right": 0, "unanswerable_declined": 1, "wrong_shown": 0}
+    assert sweep["calibrated"] == 0.45  # the most right answers and declines there, the lowest of equals
+    assert report["0.85"] == {"answerable_right": 1, "unanswerable_declined": 1, "wrong_shown": 0}
+    assert report["0.95"] == {"answerable_right": 0, "unanswerable_declined": 1, "wrong_shown": 0}
+    dataset_answers.print_check_sweep("cache", {"en": sweep})
+    printed = capsys.readouterr().out
+    assert "answer check, en, cache route" in printed and "(calibrated: 0.45)" in printed
+    assert "      0.45           1 /   1 /   0           1 /   1 /   0" in printed
+
+    rows[0]["cache"]["relevance"] = None  # the check was off: nothing to replay
+    assert dataset_answers.check_sweep(rows, questions, "cache") == {}
