@@ -106,10 +106,10 @@ def test_cache_path_is_token_identical_to_the_full_prompt(server, tiny):
     assert reply["TOKEN_IDS"] == expected.token_ids and reply["ANSWER"] == expected.text
     assert reply["CACHE_HIT"] is True and reply["ROUTE"] == "cache"
     assert reply["REUSED_TOKENS"] == entry.n_tokens and reply["PROMPT_TOKENS"] == expected.prompt_tokens
-    # the relevance check read the same snapshot in place
+    # the answer check read the same snapshot in place, asked about the answer's own words
     if expected.answered:
         threshold = DECLINE_BELOW
-        relevance = engine.relevance(QUESTION, load_snapshot(store, entry))
+        relevance = engine.relevance(QUESTION, load_snapshot(store, entry), answer=expected.text)
         assert reply["RELEVANCE"] == pytest.approx(relevance, abs=1e-3)
         assert reply["ANSWERED"] is (relevance >= threshold)
         assert reply["DECLINE_REASON"] == ("" if relevance >= threshold else "not_in_documents")
