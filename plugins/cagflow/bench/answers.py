@@ -28,7 +28,7 @@ from typing import Callable
 from ..config import Config
 from ..answering.qa import QAItem, halves, load_qa
 from .report import save_report
-from .scoring import RELEVANCE_GRID
+from .scoring import RELEVANCE_GRID, stands_at
 
 PRECISIONS = ("int8", "fp32")
 MAX_NEW_TOKENS = 64
@@ -172,14 +172,10 @@ KEEP_RIGHT = 0.98  # the decline threshold may cost at most 2 % of the answers t
 
 
 def _right_at(item: QAItem, auto: dict, threshold: float) -> bool:
-    """Whether the auto route's answer would be right under another decline threshold of the relevance
-    check: an answer the model gave and was asked about stands when its relevance reaches the threshold (a
-    ``not_in_documents`` decline keeps the model's words as ``model_answer``); every other verdict does not
-    depend on it."""
-    relevance = auto.get("relevance")
-    if relevance is None or auto.get("decline_reason") not in (None, "not_in_documents"):
-        return auto["correct"]
-    return item.is_correct(auto.get("model_answer") or auto["answer"], relevance >= threshold)
+    """Whether the auto route's answer would be right under another decline threshold of the answer check
+    (``scoring.stands_at``); every other verdict does not depend on it."""
+    stands = stands_at(auto, threshold)
+    return auto["correct"] if stands is None else item.is_correct(auto.get("model_answer") or auto["answer"], stands)
 
 
 def relevance_sweep(rows: list[dict], items: dict[str, QAItem]) -> dict:

@@ -214,14 +214,6 @@ def ablation(rows: list[dict], questions: dict[str, DatasetQuestion], route: str
     return table
 
 
-def _checked(asked: dict, threshold: float) -> bool:
-    """Whether an answer stands at another decline threshold of the answer check: one the model gave and the
-    check rated stands from its relevance up; every other verdict does not depend on the threshold."""
-    if asked.get("decline_reason") not in (None, "not_in_documents") or asked.get("relevance") is None:
-        return asked["answered"]
-    return asked["relevance"] >= threshold
-
-
 def check_sweep(rows: list[dict], questions: dict[str, DatasetQuestion], route: str) -> dict:
     """What the answer check (``not_in_documents``) would do at each threshold, replayed from one run's records
     on ``route``, per language and half: answerable questions right, unanswerable ones declined, wrong answers
@@ -234,25 +226,29 @@ def check_sweep(rows: list[dict], questions: dict[str, DatasetQuestion], route: 
         if not mine or any(row[route].get("relevance") is None for row in mine
                            if row[route]["answered"] or row[route].get("decline_reason") == "not_in_documents"):
             continue
-        halves = {}
-        for split in SPLITS:
-            counts = {}
-            for threshold in RELEVANCE_GRID:
-                count = Counter()
-                for row in (row for row in mine if row["split"] == split):
-                    asked, question = row[route], questions[row["id"]]
-                    shown = _checked(asked, threshold)
-                    text = asked.get("model_answer") or asked["answer"]
-                    fact = question.answerable and scoring.contains_gold(question.answers, text, question.language)
-                    count["answerable_right"] += shown and fact
-                    count["unanswerable_declined"] += not question.answerable and not shown
-                    count["wrong_shown"] += shown and not fact
-                counts[str(threshold)] = dict(count)
-            halves[split] = counts
+        # each record scored once: (its half, answerable, holds a gold answer); only whether it stands varies
+        scored = []
+        for row in mine:
+            asked, question = row[route], questions[row["id"]]
+            text = asked.get("model_answer") or asked["answer"]
+            scored.append((row["split"], asked, question.answerable,
+                           question.answerable and scoring.contains_gold(question.answers, text, question.language)))
+        halves = {split: {} for split in SPLITS}
+        for threshold in RELEVANCE_GRID:
+            for split in SPLITS:
+                halves[split][str(threshold)] = dict.fromkeys(("answerable_right", "unanswerable_declined",
+                                                               "wrong_shown"), 0)
+            for split, asked, answerable, fact in scored:
+                stands = scoring.stands_at(asked, threshold)
+                shown = asked["answered"] if stands is None else stands
+                cell = halves[split][str(threshold)]
+                cell["answerable_right"] += shown and fact
+                cell["unanswerable_declined"] += not answerable and not shown
+                cell["wrong_shown"] += shown and not fact
 
         def score(threshold: str) -> tuple[int, float]:
             cell = halves["calibration"][threshold]
-            return cell.get("answerable_right", 0) + cell.get("unanswerable_declined", 0), -float(threshold)
+            return cell["answerable_right"] + cell["unanswerable_declined"], -float(threshold)
 
         chosen = max(halves["calibration"], key=score)
         sweeps[language] = {"calibrated": float(chosen), **halves}
@@ -266,7 +262,7 @@ def print_check_sweep(route: str, sweeps: dict) -> None:
         print(f"{'threshold':>10}" + "".join(f"{split + ' half':>24}" for split in SPLITS))
         for threshold in sweep["calibration"]:
             cells = "".join("{answerable_right:>12} / {unanswerable_declined:>3} / {wrong_shown:>3}".format_map(
-                Counter(sweep[split][threshold])) for split in SPLITS)
+                sweep[split][threshold]) for split in SPLITS)
             print(f"{threshold:>10}{cells}")
 
 

@@ -17,6 +17,17 @@ from typing import Iterable, Sequence
 
 # The decline thresholds of the answer check a run is replayed at (``bench answers``: sample set and datasets).
 RELEVANCE_GRID = tuple(round(0.05 * step, 2) for step in range(20)) + (0.96, 0.97, 0.98, 0.99)
+
+
+def stands_at(record: dict, threshold: float) -> bool | None:
+    """Whether an answer record would stand at another decline threshold of the answer check: an answer the
+    model gave and the check rated stands from its relevance up (a ``not_in_documents`` decline keeps the
+    model's words as ``model_answer``). None: the check did not decide it, so no threshold changes it."""
+    relevance = record.get("relevance")
+    if relevance is None or record.get("decline_reason") not in (None, "not_in_documents"):
+        return None
+    return relevance >= threshold
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 _PUNCTUATION = set(string.punctuation)
 # CMRC 2018's evaluation script drops these characters before comparing (its "……" is two of them).
