@@ -5,10 +5,12 @@ count. Importing this module sets that mode."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -62,6 +64,24 @@ def kernel_build_dir() -> Path:
     return CACHE_HOME / "kernels" / f"fastlm_kernels_{digest}"
 
 
+@contextlib.contextmanager
+def _pinned_ninja() -> Iterator[None]:
+    """The requirements' ninja first on PATH while building. ninja keeps a hash of each build command and
+    versions hash differently: a process whose PATH finds another ninja (Triton's stub finds this
+    environment's, a shell Debian's) would rebuild the kernels (~30 s) each time the other had built them."""
+    try:
+        import ninja
+    except ImportError:  # torch's build then finds whichever ninja there is, or says none is
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
 def native_kernels():
     """The compiled kernel module, or None (``native_error()`` says why). Compiled once per source hash."""
     global _native, _native_error
@@ -77,7 +97,7 @@ def native_kernels():
         name = build.name
         # Our flock, not only torch's lock file: torch waits forever on a lock file left by a build that was
         # killed; under the flock no other builder is alive, so such a file is stale and can go.
-        with prepare_lock(build):
+        with prepare_lock(build), _pinned_ninja():
             build.mkdir(parents=True, exist_ok=True)
             (build / "lock").unlink(missing_ok=True)
             if not any(build.glob("*.so")):

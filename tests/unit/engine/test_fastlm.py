@@ -3,7 +3,9 @@ immutability, kernel determinism, and agreement with transformers' fp32 model; o
 
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,6 +246,23 @@ def test_native_matmuls_rows_independent_and_close_to_int8pack(kernel):
         torch.set_num_threads(threads)
     ref = torch.ops.aten._weight_int8pack_mm(x, w, s)
     torch.testing.assert_close(y.float(), ref.float(), atol=0.02, rtol=0.01)
+
+
+def test_kernels_build_with_the_requirements_ninja_whatever_ninja_path_finds_first(tmp_path, monkeypatch):
+    """Triton's stub and a shell find different ninjas on PATH; ninja versions hash build commands differently,
+    so each would rebuild what the other built. Both build with the requirements' ninja."""
+    import shutil
+
+    import ninja
+
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "ninja").write_text("#!/bin/sh\necho 1.11.1\n")
+    (other / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{other}{os.pathsep}/usr/bin")
+    with kernels._pinned_ninja():
+        assert Path(shutil.which("ninja")).parent == Path(ninja.BIN_DIR)
+    assert os.environ["PATH"] == f"{other}{os.pathsep}/usr/bin"  # as it was
 
 
 def test_int8pack_rows_independent_of_batch_and_threads():
