@@ -101,7 +101,7 @@ def native_kernels():
             build.mkdir(parents=True, exist_ok=True)
             (build / "lock").unlink(missing_ok=True)
             if not any(build.glob("*.so")):
-                log.warning("compiling the int8 engine's kernels into %s (once, about a minute)", build)
+                log.warning("compiling the int8 engine's kernels into %s (once, under a minute)", build)
             _native = load(name=name, sources=[str(_KERNEL_SOURCE)], extra_cflags=_NATIVE_CFLAGS,
                            extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as exc:  # no compiler, no headers, ...: fall back to the torch backend
