@@ -9,6 +9,9 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import pytest
 from cagflow.devstack.opensearch import free_port
+# The router's stack (router_stack.py: OpenSearch index, release, Triton, router, keys, trace collector), for
+# every module that asks for it; module-scoped, so each such module runs a stack of its own.
+from router_stack import corpus_index, jaeger, keys, release_store, router, triton  # noqa: F401
 
 
 @pytest.fixture(scope="session", autouse=True)

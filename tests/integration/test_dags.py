@@ -20,11 +20,11 @@ import pytest
 import yaml
 from cagflow.documents.keys import SnapshotKey
 from cagflow.engine.model import prepare_model
-from cagflow.offline import connections, maintenance_steps, release_steps, snapshot_steps
-from cagflow.store.backends import LocalStore, S3Store
+from cagflow.offline import connections, maintenance_steps
+from cagflow.store.backends import S3Store
 from cagflow.store.layout import snapshot_object
-from cagflow.store.manifests import (CorpusManifest, Release, ReleaseEntry, activate_release, list_releases,
-                                     load_release, publish_release)
+from cagflow.store.manifests import (CorpusManifest, list_releases,
+                                     load_release)
 
 REPO = Path(__file__).resolve().parents[2]
 DAGS = REPO / "dags"
@@ -451,51 +451,7 @@ def test_variable_ingest_indexes_documents_and_removes_dropped_ones(use, corpus,
     assert index.count(tier="variable") == len(chunks) - sum(c["doc_id"] == dropped for c in chunks)
 
 
-# ---- garbage collection by age ---------------------------------------------------------------------------
-
-
-def test_a_superseded_snapshot_is_kept_until_unread_for_the_configured_days(tmp_path):
-    """Serving reads snapshots only through releases: a snapshot counts as read until the release holding
-    it is superseded, and the active release's snapshots always stay."""
-    store = LocalStore(tmp_path / "store")
-    fingerprint = "ab" * 32
-    published_at = time.time()
-    for version, created_at in (("1.0.0", published_at - 30 * 86400), ("2.0.0", published_at)):
-        key = SnapshotKey("guide", version, fingerprint[:16])
-        info = store.put(snapshot_object(key), f"snapshot {version}".encode())
-        entry = ReleaseEntry(key=str(key), doc_id="guide", doc_version=version, part=None, n_tokens=3,
-                             bytes=info.size, sha256=info.sha256, created_at=created_at)
-        publish_release(store, Release(release_id=f"r-{version}", created_at=created_at,
-                                       model_fingerprint=fingerprint, snapshots=[entry]))
-    old = snapshot_object(SnapshotKey("guide", "1.0.0", fingerprint[:16]))
-
-    def doomed(days_later: float, keep: int = 1, unused_days: float = 7):
-        plan = maintenance_steps.plan_garbage(store, keep, unused_days, now=published_at + days_later * 86400)
-        return sorted(plan.snapshots), sorted(plan.releases)
-
-    assert doomed(6) == ([], [])
-    assert doomed(8) == ([old], ["releases/r-1.0.0.json"])
-    assert doomed(400, keep=2) == ([], [])
-    activate_release(store, "r-1.0.0")  # rolled back: the old version is served again
-    assert doomed(400) == ([], [])
-
-
 # ---- serving on Triton ------------------------------------------------------------------------------------
-
-
-def test_serving_down_is_tolerated(monkeypatch):
-    monkeypatch.setenv("CAGFLOW__PRECOMPUTE__TRITON_URL", "127.0.0.1:9")
-    result = release_steps.request_serving_reload({"release_id": "r1", "published": True})
-    assert result["requested"] is False and result["reason"].startswith("unreachable")
-    unchanged = release_steps.request_serving_reload({"release_id": "r1", "published": False})
-    assert unchanged["reason"] == "release unchanged"
-
-
-def test_precompute_via_triton_without_an_address_fails_before_loading_anything(monkeypatch):
-    monkeypatch.setenv("CAGFLOW__PRECOMPUTE__VIA", "triton")
-    monkeypatch.setenv("CAGFLOW__PRECOMPUTE__TRITON_URL", "")
-    with pytest.raises(snapshot_steps.PrecomputeUnavailable, match="needs precompute.triton_url"):
-        snapshot_steps.plan_snapshot_parts()
 
 
 @pytest.fixture(scope="module")

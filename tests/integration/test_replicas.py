@@ -6,14 +6,12 @@ documents move back to it without a router restart."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import requests
@@ -23,26 +21,17 @@ from cagflow.devstack.triton import LocalTriton
 from cagflow.offline import pipeline
 from cagflow.router.replicas import rank
 from prometheus_client.parser import text_string_to_metric_families
+from router_stack import (MAX_NEW_TOKENS, TRITON_MODELS, ask, router_settings, running_router, triton_environment,
+                          wait_until_free)
 
 pytestmark = pytest.mark.integration
 
-
-def _sibling(name: str):
-    spec = importlib.util.spec_from_file_location(f"replicas_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-router_tests = _sibling("test_router")  # the same release, keys and settings as the router's tests
-release_store, keys, MAX_NEW_TOKENS = router_tests.release_store, router_tests.keys, router_tests.MAX_NEW_TOKENS
 NAMES = ("triton-a", "triton-b")
 CLIENTS = 8
 LOAD_S = 100  # the load's length at most
-RESIDENT = 3  # cache.max_resident_states of each replica (router_tests.triton_environment)
+RESIDENT = 3  # cache.max_resident_states of each replica (router_stack.triton_environment)
 # JSON 503s (or a stream's error event of the same code) that a retry serves
 RETRIABLE = {"triton_unavailable", "overloaded", "retrieval_unavailable"}
-MODELS = ["cag_llm", "cag_llm_stream"]  # what the router asks; cag_precompute would only slow each start
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +49,8 @@ def corpus_index(opensearch_url, corpus_manifest_path, release_store):
 
 
 def local_triton(run_dir, tiny_model_dir, store, ports=None) -> LocalTriton:
-    return LocalTriton(run_dir, models=MODELS, ports=ports,
-                       environment=router_tests.triton_environment(tiny_model_dir, store.root))
+    return LocalTriton(run_dir, models=TRITON_MODELS, ports=ports,
+                       environment=triton_environment(tiny_model_dir, store.root))
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +72,10 @@ def router(opensearch_url, corpus_index, replicas, release_store, keys, tmp_path
     store, _ = release_store
     listed = ", ".join(f"name={name} http_url={server.http_url} grpc_url={server.grpc_url} "
                        f"metrics_url={server.metrics_url}" for name, server in replicas.items())
-    settings = {**router_tests.router_settings(opensearch_url, corpus_index, replicas[NAMES[0]], store, keys[0]),
+    settings = {**router_settings(opensearch_url, corpus_index, replicas[NAMES[0]], store, keys[0]),
                 "CAGFLOW__SERVICE__TRITON_REPLICAS": listed, "CAGFLOW__SERVICE__TRITON_REPROBE_S": "1",
                 "CAGFLOW__SERVICE__MAX_CONCURRENT_REQUESTS": str(2 * CLIENTS)}
-    with router_tests.running_router(tmp_path_factory.mktemp("replicas-router"), settings) as running:
+    with running_router(tmp_path_factory.mktemp("replicas-router"), settings) as running:
         yield running
 
 
@@ -135,7 +124,7 @@ def test_a_killed_replica_costs_no_request_and_its_documents_move_back(router, r
     def ask_each(names=NAMES):
         for name in names:
             for doc in owned[name]:
-                answer = router_tests.ask(router, keys[1], question="What is this document about?", doc_id=doc,
+                answer = ask(router, keys[1], question="What is this document about?", doc_id=doc,
                                           route="cache")
                 assert answer["route"] == "cache" and answer["cache_hit"] and answer["fallback_reason"] is None, answer
 
@@ -167,7 +156,7 @@ def test_a_killed_replica_costs_no_request_and_its_documents_move_back(router, r
             assert seen.get(("cagflow_router_triton_failovers_total", victim), 0) >= 1, seen
 
             # Started again on its ports while the load goes on (a slow start is waited for after the load).
-            router_tests.wait_until_free(ports.values())
+            wait_until_free(ports.values())
             replicas[victim] = local_triton(tmp_path_factory.mktemp(f"{victim}-again"), tiny_model_dir, store,
                                             ports)
             restart = background.submit(replicas[victim].start)
@@ -191,7 +180,7 @@ def test_a_killed_replica_costs_no_request_and_its_documents_move_back(router, r
     assert any(outcome.started_s < killed < outcome.started_s + outcome.latency_s for outcome in summary.outcomes)
     by_id = {row["id"]: row for row in questions}
     for outcome in refused:  # a retry serves each refusal
-        router_tests.ask(router, keys[1], question=by_id[outcome.question_id]["question"])
+        ask(router, keys[1], question=by_id[outcome.question_id]["question"])
 
     # Back in the ring: its documents move back to it, the other replica's stay where they are.
     assert answered_by(url, ask_each) == {name: len(owned[name]) for name in NAMES}
