@@ -4,6 +4,7 @@ storage; otherwise the project configuration (and boto3's usual credential chain
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from ..config import Config, ConfigError, load_config
@@ -23,7 +24,12 @@ def resolve_config(config: Config | None) -> Config:
 
 
 def airflow_connection(conn_id: str):
-    """The Airflow connection ``conn_id``, or None when it is not defined or Airflow is not installed."""
+    """The Airflow connection ``conn_id`` when this process runs under Airflow (its task runner, or
+    ``dag.test()``, has loaded the task SDK); None when it is not defined, or outside Airflow: the command
+    line then neither pays Airflow's import (~2 s) nor reads the configuration of an Airflow home it may
+    not have."""
+    if "airflow.sdk" not in sys.modules:
+        return None
     try:
         from airflow.sdk import Connection
         from airflow.sdk.exceptions import AirflowNotFoundException

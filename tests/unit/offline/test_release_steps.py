@@ -1,7 +1,11 @@
 """Release and maintenance steps that need no Airflow and no server: which superseded snapshots garbage
 collection takes, the serving reload request when nothing listens, and precompute delegated to Triton with
-no address."""
+no address, and that connections apply under Airflow only."""
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -51,3 +55,20 @@ def test_precompute_via_triton_without_an_address_fails_before_loading_anything(
     monkeypatch.setenv("CAGFLOW__PRECOMPUTE__TRITON_URL", "")
     with pytest.raises(snapshot_steps.PrecomputeUnavailable, match="needs precompute.triton_url"):
         snapshot_steps.plan_snapshot_parts()
+
+
+def test_outside_airflow_the_steps_read_the_project_configuration_without_importing_airflow(tmp_path):
+    """A connection in the environment applies to Airflow's tasks only: the command line, which runs the same
+    steps, reads the project configuration and never loads Airflow (nor an Airflow home it may not have)."""
+    script = ("import json, sys\n"
+              "from cagflow.offline import connections\n"
+              "store = connections.snapshot_store()\n"
+              "print(json.dumps([connections.airflow_connection('cagflow_s3'), type(store).__name__,\n"
+              "                  any(name.split('.')[0] == 'airflow' for name in sys.modules)]))\n")
+    connection = json.dumps({"conn_type": "aws", "extra": {"state_store": "s3://elsewhere/snapshots"}})
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env={
+        **os.environ, "AIRFLOW_CONN_CAGFLOW_S3": connection, "AIRFLOW_HOME": str(tmp_path / "no-airflow-here"),
+        "CAGFLOW__CACHE__STATE_STORE": f"file://{tmp_path / 'store'}"})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [None, "LocalStore", False]
+    assert not (tmp_path / "no-airflow-here").exists()
