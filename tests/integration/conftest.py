@@ -14,6 +14,19 @@ from cagflow.devstack.opensearch import free_port
 from router_stack import corpus_index, jaeger, keys, release_store, router, triton  # noqa: F401
 
 
+# The longest modules, longest first (their --durations in CI): `make test` runs the server tests on two
+# workers, each taking the next module in collection order when it is free, so these start first and the two
+# workers end close together instead of one waiting for the other's last long module.
+LONGEST_FIRST = ("test_router.py", "test_airflow_rest.py", "test_dags.py", "test_triton.py", "test_replicas.py",
+                 "test_faults.py", "test_engine_real.py", "test_model_prepare.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Whole modules reordered, the longest first; the rest and each module's own order as collected."""
+    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def embeddings_computed_once():
     """The real e5 embedder, each distinct text embedded once per test session: the suite indexes the sample
