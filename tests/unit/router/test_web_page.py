@@ -12,14 +12,20 @@ from cagflow.answering.prompt import declined_answer
 from cagflow.devstack import webdriver
 
 router = clients.router  # its module-scoped fixture: (base URL, user key)
-needs_chromium = pytest.mark.skipif(not webdriver.installed(), reason=webdriver.MISSING)
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def browser(tmp_path_factory):
+def browser(router, tmp_path_factory):
+    """One tab on the page with the user's key typed in, as a person keeps it open; each test starts there
+    whichever tests ran before it."""
+    if not webdriver.installed():
+        pytest.skip(webdriver.MISSING)
+    url, key = router
     browser = webdriver.Browser(tmp_path_factory.mktemp("chromium-profile"))
     try:
+        browser.open(f"{url}/")
+        browser.type("#key", key)
         yield browser
     finally:
         browser.close()
@@ -42,11 +48,8 @@ def test_the_page_runs_only_its_own_script_and_style(router):
         assert requests.get(f"{url}/static/{name}", timeout=5).headers["Content-Type"].startswith(media_type)
 
 
-@needs_chromium
 def test_an_answer_streams_with_its_sources_route_and_time_to_first_token(router, browser, tmp_path):
     url, key = router
-    browser.open(f"{url}/")
-    browser.type("#key", key)
     ask(browser, compat.QUESTION)
     page = browser.wait_for_text("Port 8443.", "Gateway manual — Ports", "gateway-manual", "Time to first token",
                                  "The web console listens on port 8443 (HTTPS).")  # the citation's quote
@@ -57,7 +60,6 @@ def test_an_answer_streams_with_its_sources_route_and_time_to_first_token(router
     assert browser.run("return document.getElementById('key').value") == key
 
 
-@needs_chromium
 def test_a_chinese_question_is_answered_in_chinese(router, browser):
     url, key = router
     ask(browser, compat.CHINESE)
@@ -69,7 +71,6 @@ def test_a_chinese_question_is_answered_in_chinese(router, browser):
     assert browser.run("return document.documentElement.lang") == "zh"
 
 
-@needs_chromium
 def test_a_decline_is_shown_as_a_decline(router, browser):
     ask(browser, compat.OFF_TOPIC)
     browser.wait_for_text("Declined (no_relevant_passage)", declined_answer(compat.OFF_TOPIC), "Closest sections")
@@ -78,7 +79,6 @@ def test_a_decline_is_shown_as_a_decline(router, browser):
     assert "9999 euros" not in page
 
 
-@needs_chromium
 def test_a_wrong_key_is_a_clear_error(router, browser):
     url, _ = router
     browser.run("sessionStorage.clear()")
