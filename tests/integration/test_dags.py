@@ -23,8 +23,7 @@ from cagflow.engine.model import prepare_model
 from cagflow.offline import connections, maintenance_steps
 from cagflow.store.backends import S3Store
 from cagflow.store.layout import snapshot_object
-from cagflow.store.manifests import (CorpusManifest, list_releases,
-                                     load_release)
+from cagflow.store.manifests import CorpusManifest, list_releases, load_release
 
 REPO = Path(__file__).resolve().parents[2]
 DAGS = REPO / "dags"

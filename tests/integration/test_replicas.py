@@ -124,8 +124,7 @@ def test_a_killed_replica_costs_no_request_and_its_documents_move_back(router, r
     def ask_each(names=NAMES):
         for name in names:
             for doc in owned[name]:
-                answer = ask(router, keys[1], question="What is this document about?", doc_id=doc,
-                                          route="cache")
+                answer = ask(router, keys[1], question="What is this document about?", doc_id=doc, route="cache")
                 assert answer["route"] == "cache" and answer["cache_hit"] and answer["fallback_reason"] is None, answer
 
     # Each document is answered by its own replica, which keeps only its own share resident.

@@ -17,6 +17,12 @@ from typing import Iterable, Sequence
 
 # The decline thresholds of the answer check a run is replayed at (``bench answers``: sample set and datasets).
 RELEVANCE_GRID = tuple(round(0.05 * step, 2) for step in range(20)) + (0.96, 0.97, 0.98, 0.99)
+_ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
+_PUNCTUATION = set(string.punctuation)
+# CMRC 2018's evaluation script drops these characters before comparing (its "……" is two of them).
+_CMRC_PUNCTUATION = set("-:_*^/\\~`+=，。：？！“”；’《》……·、「」（）－～『』")
+_HAN = re.compile(r"[\u4e00-\u9fa5]")  # CMRC's script's own range, kept so scores match it
+_LATIN_TOKEN = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 
 
 def stands_at(record: dict, threshold: float) -> bool | None:
@@ -27,13 +33,6 @@ def stands_at(record: dict, threshold: float) -> bool | None:
     if relevance is None or record.get("decline_reason") not in (None, "not_in_documents"):
         return None
     return relevance >= threshold
-
-_ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
-_PUNCTUATION = set(string.punctuation)
-# CMRC 2018's evaluation script drops these characters before comparing (its "……" is two of them).
-_CMRC_PUNCTUATION = set("-:_*^/\\~`+=，。：？！“”；’《》……·、「」（）－～『』")
-_HAN = re.compile(r"[\u4e00-\u9fa5]")  # CMRC's script's own range, kept so scores match it
-_LATIN_TOKEN = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 
 
 def squad_normalize(text: str) -> str:

@@ -30,11 +30,9 @@ def airflow_connection(conn_id: str):
     not have."""
     if "airflow.sdk" not in sys.modules:
         return None
-    try:
-        from airflow.sdk import Connection
-        from airflow.sdk.exceptions import AirflowNotFoundException
-    except ImportError:
-        return None
+    from airflow.sdk import Connection
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
     try:
         return Connection.get(conn_id)
     except AirflowNotFoundException:
