@@ -297,9 +297,11 @@ class ModelConfig(_Section):
     # many tokens, are quoted ahead of the question (0: off); prefilled per request. Off: on public data it
     # added 1 right answer in 56 for ~8 s more time to first token here (README "Answer rules").
     focus_tokens: int = Field(0, ge=0)
-    # int8: int8 weights, bf16 activations and KV (Llama/Qwen2 families; others run fp32 and say so in the
-    # log). fp32: the reference, ~5x slower. A snapshot belongs to one precision (it is in the fingerprint).
-    precision: Literal["int8", "fp32"] = "int8"
+    # q4k: the linears the model's GGUF stores in Q4_K blocks computed from those blocks as they are, the
+    # others int8 rows (a model without a GGUF: int8). int8: int8 weights; both with bf16 activations and KV
+    # (Llama/Qwen2 families; others run fp32 and say so in the log). fp32: the reference, ~5x slower. A
+    # snapshot belongs to one precision (it is in the fingerprint). README "Models".
+    precision: Literal["q4k", "int8", "fp32"] = "q4k"
     threads: int = Field(1, ge=0)  # torch threads per process; 0 = torch default. See README "Thread policy"
     # Each block (a prefill block of the question, passages or snapshot, or one decode step) also takes the cores
     # that are idle when it starts (Linux's runnable-task count). Results do not depend on it.

@@ -75,11 +75,11 @@ def model_folder(model: ModelConfig) -> Path:
 
 
 def weights_bytes(model: ModelConfig) -> int:
-    """The weights one serving process holds: the int8 engine's prepared file (mapped, so shared by the
-    processes of a machine), else the folder's safetensors."""
+    """The weights one serving process holds: the engine's prepared file (mapped, so shared by the processes
+    of a machine), else the folder's safetensors."""
     folder = model_folder(model)
-    prepared = sorted((CACHE_HOME / "weights").glob(f"{folder.name}-*.fastlm"))  # what the int8 engine maps
-    return prepared[0].stat().st_size if prepared and model.precision == "int8" else sum(
+    prepared = sorted((CACHE_HOME / "weights").glob(f"{folder.name}-*.fastlm"))  # what the engine maps
+    return prepared[0].stat().st_size if prepared and model.precision != "fp32" else sum(
         path.stat().st_size for path in folder.glob("*.safetensors"))
 
 

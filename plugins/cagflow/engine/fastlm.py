@@ -54,11 +54,13 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import MKL_STRICT_ERROR, amx_ready, native_error, native_kernels
-from .lm_config import (LMConfig, config_from_hf, folder_config, native_matmul, recipe_name, rope_tables,
-                        shapes_fit_amx, shapes_fit_native, torch_matmul)
+from .lm_config import (Q4K_SUFFIX, LMConfig, config_from_hf, folder_config, native_matmul, recipe_name,
+                        rope_tables, shapes_fit_amx, shapes_fit_native, torch_matmul)
+from .layers import Layer, quantise_checkpoint
+from .q4k import read_blocks
 from .lookup import DRAFT_TOKENS, looked_up
 from .threads import at_least_threads
-from .weights_file import CheckpointTensors, map_weights, quantize_rows, round_up, write_weights
+from .weights_file import CheckpointTensors, map_weights, round_up, write_weights
 
 log = logging.getLogger("cagflow.engine")
 
@@ -66,24 +68,6 @@ WIDE_BLOCK = 64  # tokens a row from which the torch backend's f32 matmul comput
 AMX_MIN_WIDTH = 8  # tokens a row from which matmul "amx" computes a block with AMX tiles (rows are padded to 32)
 
 PrefixKV = tuple[list[torch.Tensor], list[torch.Tensor]]  # (keys, values): per layer [kv_heads, T, head_dim] bf16
-
-
-@dataclass
-class _Layer:
-    ln1: torch.Tensor
-    w_qkv: torch.Tensor
-    s_qkv: torch.Tensor
-    b_qkv: torch.Tensor  # fp32, empty when the model has no q/k/v bias
-    w_o: torch.Tensor
-    s_o: torch.Tensor
-    ln2: torch.Tensor
-    w_gu: torch.Tensor
-    s_gu: torch.Tensor
-    w_down: torch.Tensor
-    s_down: torch.Tensor
-
-    def flat(self) -> list[torch.Tensor]:
-        return [getattr(self, f.name) for f in fields(self)]  # the order run_layers reads them in
 
 
 @dataclass
@@ -102,9 +86,11 @@ class FastLM:
     """An int8/bf16 forward pass of a Llama-family causal LM with shared-prefix (snapshot) attention."""
 
     def __init__(self, config: LMConfig, tensors: Mapping[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-                 backend: str = "auto", prefill_block: int = 512, matmul: str = "auto", prepared: bool = False):
+                 backend: str = "auto", prefill_block: int = 512, matmul: str = "auto", prepared: bool = False,
+                 q4k_blocks: Mapping[str, torch.Tensor] | None = None, q4k: bool = False):
         """``tensors``: a checkpoint's (quantised here), or with ``prepared`` the tensors ``save_weights``
-        wrote (used as they are)."""
+        wrote (used as they are). ``q4k_blocks`` (``q4k.read_blocks``, native backend only): the linears to
+        keep in the GGUF's Q4_K blocks; ``q4k`` says a prepared file holds such weights."""
         self.config = config
         self.prefill_block = prefill_block
         shapes_ok = shapes_fit_native(config)
@@ -130,6 +116,9 @@ class FastLM:
             raise ValueError(f"matmul f32 needs MKL's strict reproducible mode: {MKL_STRICT_ERROR}")
         self.matmul = matmul
         self._native_mm = matmul in ("native", "amx")
+        self.q4k = q4k or q4k_blocks is not None
+        if self.q4k and self._k is None:
+            raise ValueError("Q4_K weights need the native backend")
         # threads for each block (a prefill block or one decode step), asked as it starts: None keeps the caller's
         self.block_threads: Callable[[], int] | None = None
         self.cos, self.sin = rope
@@ -137,49 +126,22 @@ class FastLM:
         if prepared:
             self._adopt(tensors)
         else:
-            self._quantise(tensors)
+            self._quantise(tensors, q4k_blocks or {})
         self._flat = [t for layer in self.layers for t in layer.flat()]
 
     def _adopt(self, tensors: Mapping[str, torch.Tensor]) -> None:
         self.embed, self.w_lm, self.s_lm, self.norm = (tensors[name] for name in ("embed", "w_lm", "s_lm", "norm"))
-        self.layers = [_Layer(**{f.name: tensors[f"layers.{i}.{f.name}"] for f in fields(_Layer)})
+        self.layers = [Layer(**{f.name: tensors[f"layers.{i}.{f.name}"] for f in fields(Layer)})
                        for i in range(self.config.layers)]
 
-    def _quantise(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        c = self.config
-
-        def get(name: str) -> torch.Tensor:
-            # always a copy: a view would keep the whole checkpoint's file mapping alive (2.5 GB for Qwen2.5)
-            return tensors[name].to(torch.float32, copy=True)
-
-        self.embed = get("model.embed_tokens.weight").contiguous()
-        lm_head = self.embed if c.tie_embeddings or "lm_head.weight" not in tensors else get("lm_head.weight")
-        self.w_lm, self.s_lm = quantize_rows(lm_head)
-        self.norm = get("model.norm.weight").contiguous()
-        self.layers: list[_Layer] = []
-        for i in range(c.layers):
-            p = f"model.layers.{i}."
-            qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            if p + "self_attn.q_proj.bias" in tensors:
-                bias = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]).contiguous()
-            else:
-                bias = torch.empty(0)
-            gu = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-            self.layers.append(_Layer(get(p + "input_layernorm.weight").contiguous(), *quantize_rows(qkv), bias,
-                                      *quantize_rows(get(p + "self_attn.o_proj.weight")),
-                                      get(p + "post_attention_layernorm.weight").contiguous(), *quantize_rows(gu),
-                                      *quantize_rows(get(p + "mlp.down_proj.weight"))))
-        if self._native_mm:  # mm_int8 reads weights packed in blocks of 16 output channels
-            pack = self._k.pack_int8
-            self.w_lm = pack(self.w_lm)
-            for layer in self.layers:
-                layer.w_qkv, layer.w_o = pack(layer.w_qkv), pack(layer.w_o)
-                layer.w_gu, layer.w_down = pack(layer.w_gu), pack(layer.w_down)
+    def _quantise(self, tensors: Mapping[str, torch.Tensor], blocks: Mapping[str, torch.Tensor]) -> None:
+        self.embed, self.w_lm, self.s_lm, self.norm, self.layers = quantise_checkpoint(
+            self.config, tensors, blocks, self._k, self._native_mm)
 
     def _named_weights(self) -> dict[str, torch.Tensor]:
         named = {"embed": self.embed, "w_lm": self.w_lm, "s_lm": self.s_lm, "norm": self.norm}
         for i, layer in enumerate(self.layers):
-            named.update({f"layers.{i}.{f.name}": getattr(layer, f.name) for f in fields(_Layer)})
+            named.update({f"layers.{i}.{f.name}": getattr(layer, f.name) for f in fields(Layer)})
         return named
 
     def save_weights(self, path: Path) -> None:
@@ -192,15 +154,16 @@ class FastLM:
         read-only: the pages are the page cache's, shared by every process that maps the file."""
         config, rope = folder_config(Path(folder))
         tensors, recipe, mapped = map_weights(weights_file)
-        model = cls(config, tensors, rope, prepared=True, **kwargs)
+        model = cls(config, tensors, rope, prepared=True, q4k=recipe.endswith(Q4K_SUFFIX), **kwargs)
         if model.recipe != recipe:
             raise ValueError(f"{weights_file} holds weights for {recipe}, this engine runs {model.recipe}")
         model._mapped = mapped  # the tensors are views of this mapping: keep it open as long as the model
         return model
 
     @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike, **kwargs) -> "FastLM":
-        """Load an HF safetensors folder (config.json + *.safetensors), quantising on the fly."""
+    def from_pretrained(cls, folder: str | os.PathLike, gguf: Path | None = None, **kwargs) -> "FastLM":
+        """Load an HF safetensors folder (config.json + *.safetensors), quantising on the fly; with ``gguf``
+        (the file the folder was converted from), its Q4_K linears are kept as they are (``q4k``)."""
         from safetensors import safe_open
 
         folder = Path(folder)
@@ -209,7 +172,7 @@ class FastLM:
         tensors = CheckpointTensors({name: handle for handle in handles for name in handle.keys()})
         if not tensors:
             raise FileNotFoundError(f"{folder}: no *.safetensors")
-        return cls(config, tensors, rope, **kwargs)
+        return cls(config, tensors, rope, q4k_blocks=read_blocks(gguf, tensors) if gguf else None, **kwargs)
 
     @classmethod
     def from_hf_model(cls, model, **kwargs) -> "FastLM":
@@ -221,7 +184,7 @@ class FastLM:
     @property
     def recipe(self) -> str:
         """What a snapshot depends on besides the model weights: put it into the snapshot fingerprint."""
-        return recipe_name(self.backend, self.matmul, self.prefill_block)
+        return recipe_name(self.backend, self.matmul, self.prefill_block, self.q4k)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -572,6 +572,8 @@ at::Tensor mm_int8(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& 
   return y;
 }
 
+#include "fastlm_q4k.h"
+
 // ------------------------------------------------------------------------------------------------
 // The same product with AMX tiles, for blocks of many rows (prefill): y[m, n] = bf16(scale[n] * sum_k ...),
 // from the same packed weights. Each thread converts two 16-channel blocks of int8 weights to bf16 once (the
@@ -760,15 +762,17 @@ void add_bf16_(at::Tensor x, const at::Tensor& y) {
   for (; j < n; ++j) xp[j] += bf2f(yp[j]);
 }
 
-// All decoder layers for one block of tokens. x: fp32 [R*W, hidden], updated in place. weights: 11 per
-// layer (ln1, w_qkv, s_qkv, b_qkv or empty, w_o, s_o, ln2, w_gu, s_gu, w_down, s_down). pk/pv: prefix
-// K/V per layer (empty list: no prefix); sk/sv: suffix buffers per layer [R, KV, CAP, D].
+// All decoder layers for one block of tokens. x: fp32 [R*W, hidden], updated in place. weights: 15 per
+// layer (ln1, q_qkv, w_qkv, s_qkv, b_qkv or empty, q_o, w_o, s_o, ln2, q_gu, w_gu, s_gu, q_down, w_down,
+// s_down): each linear is its first output channels in packed Q4_K blocks (q_*, may be empty) followed by
+// int8 rows (w_*, s_*, may be empty). pk/pv: prefix K/V per layer (empty list: no prefix); sk/sv: suffix
+// buffers per layer [R, KV, CAP, D].
 void run_layers(at::Tensor x, const std::vector<at::Tensor>& weights, const at::Tensor& cos, const at::Tensor& sin,
                 const std::vector<at::Tensor>& pk, const std::vector<at::Tensor>& pv,
                 const std::vector<at::Tensor>& sk, const std::vector<at::Tensor>& sv, const at::Tensor& start,
                 int64_t R, int64_t W, int64_t KV, int64_t G, int64_t D, double eps, double scale, int64_t matmul) {
   const int64_t layers = static_cast<int64_t>(sk.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 11 * layers);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 15 * layers);
   const at::Tensor none;
   auto q = at::empty({R, W, KV, G, D}, x.options().dtype(at::kBFloat16));
   auto att = at::empty({R, W, KV, G, D}, x.options().dtype(at::kBFloat16));
@@ -777,16 +781,24 @@ void run_layers(at::Tensor x, const std::vector<at::Tensor>& weights, const at::
   auto mm = [matmul](const at::Tensor& a, const at::Tensor& b, const at::Tensor& s) {
     return matmul == 2 ? mm_int8_amx(a, b, s) : matmul == 1 ? mm_int8(a, b, s) : at::_weight_int8pack_mm(a, b, s);
   };
+  auto linear = [&mm](const at::Tensor& a, const at::Tensor* w) {  // w: q4, int8 rows, their scales
+    if (w[0].numel() == 0) return mm(a, w[1], w[2]);
+    const int64_t n4 = w[0].size(0) * 16, n8 = w[2].numel();
+    auto y = at::empty({a.size(0), n4 + n8}, a.options());
+    mm_q4k_into(a, w[0], u16m(y), n4 + n8);
+    if (n8) y.narrow(1, n4, n8).copy_(mm(a, w[1], w[2]));
+    return y;
+  };
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = &weights[11 * l];
+    const at::Tensor* w = &weights[15 * l];
     at::Tensor h = rmsnorm_bf16(x, w[0], eps);
-    at::Tensor qkv = mm(h, w[1], w[2]);
-    rope_split(qkv, w[3], cos, sin, scale, q, sk[l], sv[l], start);
+    at::Tensor qkv = linear(h, w + 1);
+    rope_split(qkv, w[4], cos, sin, scale, q, sk[l], sv[l], start);
     attend(q, pk.empty() ? empty_kv : pk[l], pv.empty() ? empty_kv : pv[l], sk[l], sv[l], start, att);
-    add_bf16_(x, mm(att.view({R * W, KV * G * D}), w[4], w[5]));
-    h = rmsnorm_bf16(x, w[6], eps);
-    at::Tensor act = silu_mul(mm(h, w[7], w[8]));
-    add_bf16_(x, mm(act, w[9], w[10]));
+    add_bf16_(x, linear(att.view({R * W, KV * G * D}), w + 5));
+    h = rmsnorm_bf16(x, w[8], eps);
+    at::Tensor act = silu_mul(linear(h, w + 9));
+    add_bf16_(x, linear(act, w + 12));
   }
 }
 
@@ -801,4 +813,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm_int8_amx", &mm_int8_amx);
   m.def("amx_ready", &amx_ready);
   m.def("pack_int8", &pack_int8);
+  m.def("pack_q4k", &pack_q4k);
+  m.def("mm_q4k", &mm_q4k);
 }

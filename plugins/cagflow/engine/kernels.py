@@ -20,6 +20,7 @@ from ..files import prepare_lock
 log = logging.getLogger("cagflow.engine")
 
 _KERNEL_SOURCE = Path(__file__).with_name("fastlm_kernels.cpp")
+_KERNEL_HEADERS = (Path(__file__).with_name("fastlm_q4k.h"),)  # included by the source: part of its hash
 # -fopenmp: at::parallel_for is inlined into the extension; without it the kernels run on one thread. The
 # extension then links libgomp.so.1, which resolves to the copy torch has already loaded (one runtime).
 # -mamx-*: only mm_int8_amx uses tiles (the compiler never emits them on its own), so the library loads on any
@@ -60,7 +61,8 @@ def kernel_build_dir() -> Path:
     changes, so two environments sharing one folder would rebuild it back and forth. (Triton's stub
     environment uses the main environment's torch, so it shares that folder.)"""
     environment = f"{' '.join(_NATIVE_CFLAGS)} {torch.__version__} {Path(torch.__file__).parent}".encode()
-    digest = hashlib.sha256(_KERNEL_SOURCE.read_bytes() + environment).hexdigest()[:12]
+    source = b"".join(path.read_bytes() for path in (_KERNEL_SOURCE, *_KERNEL_HEADERS))
+    digest = hashlib.sha256(source + environment).hexdigest()[:12]
     return CACHE_HOME / "kernels" / f"fastlm_kernels_{digest}"
 
 

@@ -14,6 +14,7 @@ from .kernels import MKL_STRICT_ERROR, amx_ready, native_kernels
 
 RECIPE_VERSION = "fastlm-v1"  # bump when the numerics change: snapshots of another recipe are not reusable
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+Q4K_SUFFIX = "/q4k"  # a recipe whose weights are partly the GGUF's Q4_K blocks (``q4k``)
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,13 @@ def shapes_fit_native(config: LMConfig) -> bool:
     return config.head_dim in (64, 128) and config.hidden % 16 == 0 and config.intermediate % 16 == 0
 
 
-def recipe_for(hf_config, prefill_block: int = 512) -> str:
+def recipe_for(hf_config, prefill_block: int = 512, q4k: bool = False) -> str:
     """The recipe ``FastLM`` will use for this model on this machine, without loading weights (compiles the
-    kernels when they are not built yet): it is part of the model fingerprint, so every snapshot key."""
+    kernels when they are not built yet): it is part of the model fingerprint, so every snapshot key. ``q4k``:
+    the model's GGUF Q4_K blocks are wanted, which the native backend alone computes with."""
     config = config_from_hf(hf_config)
     if shapes_fit_native(config) and native_kernels() is not None:
-        return recipe_name("native", native_matmul(config), prefill_block)
+        return recipe_name("native", native_matmul(config), prefill_block, q4k)
     return recipe_name("torch", torch_matmul(), prefill_block)
 
 
@@ -79,8 +81,8 @@ def torch_matmul() -> str:
     return "int8pack" if MKL_STRICT_ERROR else "f32"
 
 
-def recipe_name(backend: str, matmul: str, prefill_block: int) -> str:
-    return f"{RECIPE_VERSION}/{backend}/{matmul}/block{prefill_block}"
+def recipe_name(backend: str, matmul: str, prefill_block: int, q4k: bool = False) -> str:
+    return f"{RECIPE_VERSION}/{backend}/{matmul}/block{prefill_block}" + (Q4K_SUFFIX if q4k else "")
 
 
 def config_from_hf(hf) -> LMConfig:

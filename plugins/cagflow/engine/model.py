@@ -270,14 +270,32 @@ def _eos_ids(model_dir: Path, config, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def recipe_for(config, precision: str) -> str:
+PRECISIONS = ("q4k", "int8", "fp32")
+
+
+def recipe_for(config, precision: str, from_gguf: bool = False) -> str:
     """The numeric recipe a model (its transformers config) runs under ``precision``, without loading its
-    weights (the int8 engine's kernels are compiled here when they are not built yet)."""
+    weights (the int8 engine's kernels are compiled here when they are not built yet). q4k keeps the Q4_K
+    blocks of the GGUF the model comes from (``from_gguf``), int8 rows elsewhere; without a GGUF it is int8."""
     from . import lm_config
 
-    if precision not in ("int8", "fp32"):
-        raise ModelError(f"model.precision must be int8 or fp32, not {precision!r}")
-    return lm_config.recipe_for(config) if precision == "int8" and lm_config.supports(config) else "fp32"
+    if precision not in PRECISIONS:
+        raise ModelError(f"model.precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    if precision == "fp32" or not lm_config.supports(config):
+        return "fp32"
+    return lm_config.recipe_for(config, q4k=precision == "q4k" and from_gguf)
+
+
+def from_gguf(spec: str) -> bool:
+    """Whether ``model.path`` names a model converted from a GGUF file (a preset or a .gguf), without reading it."""
+    return find_preset(spec) is not None or Path(spec).suffix == ".gguf"
+
+
+def _q4k_source(spec: str, recipe: str) -> str | None:
+    """The model whose GGUF gives the weights' Q4_K blocks, where the recipe wants them."""
+    from .lm_config import Q4K_SUFFIX
+
+    return spec if recipe.endswith(Q4K_SUFFIX) else None
 
 
 def identify_model(spec: str, precision: str) -> tuple[Path, str, str]:
@@ -286,22 +304,25 @@ def identify_model(spec: str, precision: str) -> tuple[Path, str, str]:
     from transformers import AutoConfig
 
     model_dir = resolve_model_dir(spec)
-    recipe = recipe_for(AutoConfig.from_pretrained(str(model_dir)), precision)
+    recipe = recipe_for(AutoConfig.from_pretrained(str(model_dir)), precision, from_gguf(spec))
     return model_dir, recipe, model_fingerprint(model_dir, recipe)
 
 
-def prepared_weights(folder: Path, fingerprint: str) -> Path:
+def prepared_weights(folder: Path, fingerprint: str, gguf_spec: str | None = None) -> Path:
     """The prepared-weights file of a model folder under the recipe its ``fingerprint`` names: written once
     (under a lock, so concurrent first loads quantise once), kept in ``$CAGFLOW_HOME/weights``. Files of
-    the same folder under other recipes or weights are removed (a process mapping one keeps its pages)."""
-    weights_dir = CACHE_HOME / "weights"
-    path = weights_dir / f"{folder.name}-{fingerprint[:16]}.fastlm"
+    the same folder under other recipes or weights are removed (a process mapping one keeps its pages).
+    ``gguf_spec``: the q4k recipe's model, whose GGUF gives the Q4_K blocks."""
+    from .weights_file import WEIGHTS_FORMAT
+
+    weights_dir = CACHE_HOME / "weights"  # the format in the name: a file of an older layout is replaced
+    path = weights_dir / f"{folder.name}-{fingerprint[:16]}-{WEIGHTS_FORMAT.rsplit('-', 1)[1]}.fastlm"
     with prepare_lock(path):
         if not path.exists():
-            log.info("preparing int8 weights of %s in %s (once)", folder.name, path)
+            log.info("preparing the engine's weights of %s in %s (once)", folder.name, path)
             from .fastlm import FastLM
 
-            FastLM.from_pretrained(folder).save_weights(path)
+            FastLM.from_pretrained(folder, gguf_file(gguf_spec) if gguf_spec else None).save_weights(path)
             for stale in weights_dir.glob(f"{folder.name}-*.fastlm"):
                 if stale != path:
                     stale.unlink(missing_ok=True)
@@ -313,11 +334,11 @@ def prepare_model(spec: str, precision: str) -> tuple[Path, str, str]:
     fingerprint). Safe to run in several processes at once."""
     model_dir, recipe, fingerprint = identify_model(spec, precision)
     if recipe != "fp32":
-        prepared_weights(model_dir, fingerprint)
+        prepared_weights(model_dir, fingerprint, _q4k_source(spec, recipe))
     return model_dir, recipe, fingerprint
 
 
-def load_model(spec: str, threads: int = 1, precision: str = "int8") -> LoadedModel:
+def load_model(spec: str, threads: int = 1, precision: str = "q4k") -> LoadedModel:
     """Load the tokenizer and the forward pass ``precision`` asks for. int8 runs on the int8 engine for the
     families it supports; any other architecture falls back to transformers in fp32 (logged). Both are
     deterministic, so a cache answer is token-identical to a full-prompt answer under either."""
@@ -332,15 +353,16 @@ def load_model(spec: str, threads: int = 1, precision: str = "int8") -> LoadedMo
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         config = AutoConfig.from_pretrained(str(model_dir))
-        recipe = recipe_for(config, precision)
+        recipe = recipe_for(config, precision, from_gguf(spec))
         fingerprint = model_fingerprint(model_dir, recipe)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         if recipe != "fp32":
-            fast, model = FastLM.load(model_dir, prepared_weights(model_dir, fingerprint)), None
+            weights = prepared_weights(model_dir, fingerprint, _q4k_source(spec, recipe))
+            fast, model = FastLM.load(model_dir, weights), None
             if fast.recipe != recipe:
                 raise ModelError(f"the int8 engine runs {fast.recipe}, expected {recipe}")
         else:
-            if precision == "int8":
+            if precision != "fp32":
                 log.warning("model type %r is not supported by the int8 engine; running transformers in fp32",
                             config.model_type)
             fast, model = None, AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()

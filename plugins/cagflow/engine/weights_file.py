@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-WEIGHTS_FORMAT = "cagflow-fastlm-weights-v1"
+WEIGHTS_FORMAT = "cagflow-fastlm-weights-v2"  # v2: each linear has a Q4_K part (q_*), maybe empty
 WEIGHT_ALIGN = 64  # bytes: each tensor starts on a cache line
 
 
