@@ -7,7 +7,7 @@ Four ways to answer, all greedy and deterministic so they can be compared token 
 - full prompt: the same prompt as a cache path, prefilled from scratch (the baseline).
 A snapshot is never written to or copied: each request keeps only its own question and answer tokens'
 keys and values and attends to the snapshot's tensors in place. Two forward passes do this: the int8 engine
-(``fastlm``; ``model.precision: int8``, Llama and Qwen2 families, bf16 snapshots) and, for ``fp32``,
+(``fastlm``; ``model.precision: q4k`` or ``int8``, Llama and Qwen2 families, bf16 snapshots) and, for ``fp32``,
 transformers with ``shared_prefix`` (Llama family; other architectures get a transformers cache built over
 the snapshot). Every route of one engine uses the same numeric recipe, so the routes agree token for token.
 """

@@ -1,5 +1,5 @@
-"""The int8 engine: a small, fast CPU forward pass for Llama-family decoders (Llama, Qwen2), used for every
-route (precompute, cache hit, full prompt, retrieval, batches, streams) when ``model.precision`` is int8.
+"""The engine: a small, fast CPU forward pass for Llama-family decoders (Llama, Qwen2), used for every route
+(precompute, cache hit, full prompt, retrieval, batches, streams) when ``model.precision`` is q4k or int8.
 
 Numeric recipe (``FastLM.recipe`` names it; it is part of what a snapshot means):
 
@@ -11,7 +11,8 @@ Numeric recipe (``FastLM.recipe`` names it; it is part of what a snapshot means)
   ``fastlm_kernels.cpp`` with dpbf16 on weights packed in blocks of 16 channels, 2-2.5x faster) or ``"amx"``
   (where the CPU has AMX-BF16: blocks of ``AMX_MIN_WIDTH`` tokens a row or more on AMX tiles, ``mm_int8_amx``,
   4-10x ``mm_int8`` on many rows; narrower ones, decoding, with ``mm_int8``). Only the summation order
-  differs, and a kernel is chosen by a block's width only.
+  differs, and a kernel is chosen by a block's width only. Under q4k (``q4k``, native backend) the linears
+  the model's GGUF stores as Q4_K are those blocks, as the file holds them, ``mm_q4k`` at every width.
 - The embedding, residual stream, RMSNorm statistics, Qwen2's q/k/v biases, RoPE and SiLU are fp32.
 - K/V are stored in bf16. Attention: bf16 q (pre-scaled) against bf16 K, fp32 scores and softmax statistics,
   weights rounded to bf16 against bf16 V with fp32 accumulation. Keys come from two places that are never
