@@ -39,7 +39,7 @@ def _dequantized(raw: np.ndarray) -> torch.Tensor:
 
 def test_the_product_is_the_file_s_weights_times_x_and_rows_stand_alone():
     k = kernels.native_kernels()
-    raw = _raw_blocks(96, 512, 1)  # 6 blocks of 16 channels: one M=1 group of 4 and a shorter tail
+    raw = _raw_blocks(112, 512, 1)  # 7 blocks of 16 channels: groups of 4 (one row) and 2 (many), and tails
     packed = k.pack_q4k(torch.from_numpy(raw))
     x = torch.randn(21, 512).bfloat16()
     y = k.mm_q4k(x, packed)
