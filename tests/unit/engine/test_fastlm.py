@@ -191,7 +191,11 @@ def test_thread_count_does_not_change_results(tiny):
 
 
 def test_close_to_transformers_fp32(tiny):
-    lm, model = tiny
+    assert_close_to_fp32(*tiny)
+
+
+def assert_close_to_fp32(lm: fastlm.FastLM, model) -> None:
+    """Logits of a snapshot's continuation within 0.1 of transformers' fp32 model, the same argmax at > 90 %."""
     prompt = _ids(200, 15)
     with torch.no_grad():
         reference = model(torch.tensor([prompt])).logits[0, 150:]

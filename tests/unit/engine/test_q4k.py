@@ -11,7 +11,7 @@ import torch
 
 from cagflow.engine import fastlm, kernels, q4k
 
-from .test_fastlm import _ids, _reload, _same
+from .test_fastlm import _ids, _reload, _same, assert_close_to_fp32
 from .test_lookup import _decode
 
 pytestmark = pytest.mark.skipif(kernels.native_kernels() is None, reason="native kernels unavailable")
@@ -113,12 +113,7 @@ def test_lookup_gives_the_one_token_steps(tiny_q4k):
 
 def test_close_to_transformers_fp32_with_the_same_weights(tiny_q4k):
     lm, model, _ = tiny_q4k
-    prompt = _ids(200, 15)
-    with torch.no_grad():
-        reference = model(torch.tensor([prompt])).logits[0, 150:]
-    ours = lm.logits(lm.prefill_prefix(prompt[:150]), prompt[150:])
-    assert (ours - reference).abs().max() < 0.1
-    assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
+    assert_close_to_fp32(lm, model)
 
 
 def test_a_prepared_file_answers_bitwise_like_the_weights_it_was_made_from(tiny_q4k, tmp_path):
