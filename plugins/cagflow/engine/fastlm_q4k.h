@@ -6,9 +6,10 @@
 // (one per 32 inputs) and 4-bit quants q. The weight is w = (d * sc_j) * q - (dmin * m_j), exactly as ggml
 // dequantizes it. The product is computed per 32 inputs without dequantizing:
 //   y[m, n] = bf16( sum_j (d*sc_j) * sum_i q_i x_i  -  (dmin*m_j) * sum_i x_i )
-// with the quants looked up as exact bf16 integers (0..15) and multiplied with dpbf16 in two chains (even and
-// odd input pairs), restarted for every 32 inputs. Every output is the same fixed sequence of operations
-// whatever the number of rows, the tiling or the thread count, so rows are bitwise independent of the batch.
+// with each quant turned into the exact bf16 value 128 + q by two bit operations (the 128 is taken back out with
+// the sum of x) and multiplied with dpbf16 in two chains (even and odd input pairs), restarted for every 32
+// inputs. Every output is the same fixed sequence of operations whatever the number of rows, the tiling or the
+// thread count, so rows are bitwise independent of the batch.
 //
 // Packed layout (pack_q4k), per block of 16 output channels and per super-block, 2432 bytes:
 //   d[16], dmin[16] fp32 | 8 x ( sc[16], m[16] uint8 | 8 groups x 32 bytes of quants )
@@ -76,16 +77,16 @@ at::Tensor pack_q4k(const at::Tensor& raw) {
 // 32 packed bytes -> two input pairs' quants as bf16 128 + q (low nibbles, high nibbles): the bit pattern
 // 0x4300 | q is exactly 128 + q, so a mask and an or make the value, and the folding step takes 128 * sum(x)
 // back out.
-struct Q4Lut {
+struct Q4Unpack {
   __m512i low = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
-  inline void unpack(const uint8_t* p, __m512bh* lo, __m512bh* hi) const {
+  inline void quants(const uint8_t* p, __m512bh* lo, __m512bh* hi) const {
     const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     *lo = (__m512bh)_mm512_ternarylogic_epi32(b, low, bias, 0xEA);  // (b & low) | bias
     *hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(b, 4), bias);
   }
 };
 
-// the 16 channels' a = d * sc_j and b = 128 * a + dmin * m_j of one sub-block (b takes the lookup's 128 out)
+// the 16 channels' a = d * sc_j and b = 128 * a + dmin * m_j of one sub-block (b takes the unpacked quants' 128 out)
 inline void q4k_sub_scales(const uint8_t* head, const uint8_t* sub, __m512* a, __m512* b) {
   const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub))));
   const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + 16))));
@@ -113,7 +114,7 @@ inline __m512 q4k_fold(__m512 acc, __m512 e, __m512 o, __m512 a, __m512 b, float
 // MT rows against BN blocks of 16 channels, quants unpacked as they stream by (decoding: few rows)
 template <int MT, int BN>
 inline void mm_q4k_direct(const uint32_t* x, const float* xs, int64_t K, const uint8_t* wq, int64_t nb,
-                          int64_t SB, uint16_t* y, int64_t ldy, const Q4Lut& lut) {
+                          int64_t SB, uint16_t* y, int64_t ldy, const Q4Unpack& unpack) {
   const int64_t KP = K / 2, J = K / 32;
   __m512 acc[MT][BN];
   for (int m = 0; m < MT; ++m)
@@ -124,7 +125,7 @@ inline void mm_q4k_direct(const uint32_t* x, const float* xs, int64_t K, const u
       for (int bn = 0; bn < BN; ++bn) {
         const uint8_t* head = wq + ((nb + bn) * SB + s) * Q4K_PACKED_BYTES;
         const uint8_t* sub = head + 128 + j * Q4K_SUB_BYTES;
-        for (int line = 0; line < Q4K_SUB_BYTES; line += 64)  // the same sub-block PREFETCH_SUBS further on
+        for (int line = 0; line < Q4K_SUB_BYTES; line += 64)  // ~PREFETCH_SUBS sub-blocks ahead in this stream
           _mm_prefetch(reinterpret_cast<const char*>(sub + PREFETCH_SUBS * Q4K_SUB_BYTES + line), _MM_HINT_T0);
         q4k_sub_scales(head, sub, &a[bn], &b[bn]);
         for (int m = 0; m < MT; ++m) { e[m][bn] = _mm512_setzero_ps(); o[m][bn] = _mm512_setzero_ps(); }
@@ -133,7 +134,7 @@ inline void mm_q4k_direct(const uint32_t* x, const float* xs, int64_t K, const u
       for (int g = 0; g < 8; ++g)
         for (int bn = 0; bn < BN; ++bn) {
           __m512bh w0, w1;
-          lut.unpack(wq + ((nb + bn) * SB + s) * Q4K_PACKED_BYTES + 128 + j * Q4K_SUB_BYTES + 32 + g * 32, &w0, &w1);
+          unpack.quants(wq + ((nb + bn) * SB + s) * Q4K_PACKED_BYTES + 128 + j * Q4K_SUB_BYTES + 32 + g * 32, &w0, &w1);
           for (int m = 0; m < MT; ++m) {
             const uint32_t* xr = x + m * KP + kp0 + 2 * g;
             e[m][bn] = _mm512_dpbf16_ps(e[m][bn], (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[0])), w0);
@@ -212,7 +213,7 @@ void mm_q4k_into(const at::Tensor& x, const at::Tensor& wq, uint16_t* yp, int64_
   const std::vector<float> xs = q4k_input_sums(u16(x), M, K);
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
   const uint8_t* wb = wq.data_ptr<uint8_t>();
-  const Q4Lut lut;
+  const Q4Unpack unpack;
   if (M <= 4) {  // decode: stream the quants once, a few channel blocks at a time
     const int64_t group = M == 1 ? 4 : M == 2 ? 2 : 1;
     at::parallel_for(0, (NB + group - 1) / group, 8 / group, [&](int64_t b, int64_t e) {
@@ -221,13 +222,13 @@ void mm_q4k_into(const at::Tensor& x, const at::Tensor& wq, uint16_t* yp, int64_
         const bool two = nb + 1 < NB;
         switch (M) {
           case 1:
-            if (nb + 4 <= NB) mm_q4k_direct<1, 4>(xp, xs.data(), K, wb, nb, SB, yp, ldy, lut);
-            else for (int64_t one = nb; one < NB; ++one) mm_q4k_direct<1, 1>(xp, xs.data(), K, wb, one, SB, yp, ldy, lut);
+            if (nb + 4 <= NB) mm_q4k_direct<1, 4>(xp, xs.data(), K, wb, nb, SB, yp, ldy, unpack);
+            else for (int64_t one = nb; one < NB; ++one) mm_q4k_direct<1, 1>(xp, xs.data(), K, wb, one, SB, yp, ldy, unpack);
             break;
-          case 2: two ? mm_q4k_direct<2, 2>(xp, xs.data(), K, wb, nb, SB, yp, ldy, lut)
-                      : mm_q4k_direct<2, 1>(xp, xs.data(), K, wb, nb, SB, yp, ldy, lut); break;
-          case 3: mm_q4k_direct<3, 1>(xp, xs.data(), K, wb, nb, SB, yp, ldy, lut); break;
-          default: mm_q4k_direct<4, 1>(xp, xs.data(), K, wb, nb, SB, yp, ldy, lut); break;
+          case 2: two ? mm_q4k_direct<2, 2>(xp, xs.data(), K, wb, nb, SB, yp, ldy, unpack)
+                      : mm_q4k_direct<2, 1>(xp, xs.data(), K, wb, nb, SB, yp, ldy, unpack); break;
+          case 3: mm_q4k_direct<3, 1>(xp, xs.data(), K, wb, nb, SB, yp, ldy, unpack); break;
+          default: mm_q4k_direct<4, 1>(xp, xs.data(), K, wb, nb, SB, yp, ldy, unpack); break;
         }
       }
     });
@@ -252,7 +253,7 @@ void mm_q4k_into(const at::Tensor& x, const at::Tensor& wq, uint16_t* yp, int64_
             q4k_sub_scales(head, sub, &ab[js], &ab[js + 1]);
             for (int g = 0; g < 8; ++g) {
               const int64_t kp = c * KP + (s * 8 + j) * 16 + 2 * g;
-              lut.unpack(sub + 32 + g * 32, &wv[kp], &wv[kp + 1]);
+              unpack.quants(sub + 32 + g * 32, &wv[kp], &wv[kp + 1]);
             }
           }
         }
