@@ -1,6 +1,6 @@
 // Products with weights kept as the GGUF file stores them in Q4_K blocks (4.5 bits a weight), so decoding reads
 // 0.59 bytes a weight instead of int8's 1: a one-core decode step is bound by the bytes it reads. Included by
-// fastlm_kernels.cpp (its helpers, u16/u16m, bf2f, store_out, come from there).
+// fastlm_kernels.cpp (its helpers, u16/u16m, load_bf16x16, store_out, come from there).
 //
 // A Q4_K super-block holds 256 inputs of one output row: fp16 d and dmin, eight 6-bit scales sc_j and mins m_j
 // (one per 32 inputs) and 4-bit quants q. The weight is w = (d * sc_j) * q - (dmin * m_j), exactly as ggml

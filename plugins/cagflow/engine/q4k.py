@@ -15,11 +15,10 @@ import torch
 
 log = logging.getLogger("cagflow.engine")
 
-# a decoder layer's linear (Hugging Face name) -> its tensor in a llama.cpp GGUF
-_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
-_HF_NAMES = {gguf: hf for hf, gguf in _GGUF_NAMES.items()}
+# a decoder layer's linear in a llama.cpp GGUF -> its Hugging Face name
+_HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
 _TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
