@@ -123,7 +123,8 @@ template <int D>
 struct Attn {
   static constexpr int NP = D / 2;   // bf16 pairs per row
   static constexpr int NV = D / 16;  // fp32 vectors per output row
-  static constexpr int QT = D == 64 ? 4 : 2;  // queries per tile
+  static constexpr int QT = 6;                // queries per tile (scored together)
+  static constexpr int PQ = D == 64 ? 4 : 2;  // queries whose values are accumulated together
 
   // output lane e of accumulator vector v holds dimension dim_of(v, e) (the key-pair interleave order)
   static inline int dim_of(int v, int e) { return 32 * (v / 2) + 8 * (e / 4) + 4 * (v % 2) + (e % 4); }
@@ -160,19 +161,32 @@ struct Attn {
                     float* s, uint16_t* pb, Partial* part, float* o, const uint16_t* next_v) {
     int nmax = 0;
     for (int i = 0; i < NQ; ++i) nmax = std::max(nmax, lim[i]);
-    // scores, 16 keys at a time; two chains (even / odd pairs) per query, added at the end
-    for (int t0 = 0; t0 < nmax; t0 += 16) {
-      __m512 a0[NQ], a1[NQ];
-      for (int i = 0; i < NQ; ++i) { a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps(); }
+    // scores, KB * 16 keys at a time; two chains (even / odd pairs) per query and key, added at the end. All
+    // the tile's queries share each key vector loaded (the keys come from L2), and 4 * KB * NQ independent
+    // chains keep dpbf16 busy; every key's chain is the same whatever KB and NQ.
+    constexpr int KB = NQ <= 2 ? 4 : 2;
+    for (int t0 = 0; t0 < nmax; t0 += 16 * KB) {
+      __m512 a0[NQ][KB], a1[NQ][KB];
+      for (int i = 0; i < NQ; ++i)
+        for (int b = 0; b < KB; ++b) { a0[i][b] = _mm512_setzero_ps(); a1[i][b] = _mm512_setzero_ps(); }
       for (int p = 0; p < NP; p += 2) {
-        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(KT + p * CHUNK + t0);
-        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(KT + (p + 1) * CHUNK + t0);
+        __m512bh k0[KB], k1[KB];
+        for (int b = 0; b < KB; ++b) {
+          k0[b] = (__m512bh)_mm512_loadu_si512(KT + p * CHUNK + t0 + 16 * b);
+          k1[b] = (__m512bh)_mm512_loadu_si512(KT + (p + 1) * CHUNK + t0 + 16 * b);
+        }
         for (int i = 0; i < NQ; ++i) {
-          a0[i] = _mm512_dpbf16_ps(a0[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[i][p])), k0);
-          a1[i] = _mm512_dpbf16_ps(a1[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[i][p + 1])), k1);
+          const __m512bh q0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[i][p]));
+          const __m512bh q1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[i][p + 1]));
+          for (int b = 0; b < KB; ++b) {
+            a0[i][b] = _mm512_dpbf16_ps(a0[i][b], q0, k0[b]);
+            a1[i][b] = _mm512_dpbf16_ps(a1[i][b], q1, k1[b]);
+          }
         }
       }
-      for (int i = 0; i < NQ; ++i) _mm512_storeu_ps(s + i * CHUNK + t0, _mm512_add_ps(a0[i], a1[i]));
+      for (int i = 0; i < NQ; ++i)
+        for (int b = 0; b < KB; ++b)
+          _mm512_storeu_ps(s + i * CHUNK + t0 + 16 * b, _mm512_add_ps(a0[i][b], a1[i][b]));
     }
     // softmax statistics; weights rounded to bf16, l sums the rounded weights
     for (int i = 0; i < NQ; ++i) {
@@ -200,9 +214,27 @@ struct Attn {
       }
       part[i] = {m, _mm512_reduce_add_ps(lv)};
     }
-    // o = sum_t p_t v_t over key pairs (t, t + 1), in key order; each query stops at its own limit
-    __m512 acc[NQ][NV];
-    for (int i = 0; i < NQ; ++i)
+    // o = sum_t p_t v_t, PQ queries at a time (their accumulators fill the registers)
+    for (int i0 = 0; i0 < NQ; i0 += PQ) {
+      const int ng = std::min(PQ, NQ - i0);
+      switch (ng) {
+        case 1: values<1>(i0, v, vs, lim, pb, o, i0 == 0 ? next_v : nullptr); break;
+        case 2: values<2>(i0, v, vs, lim, pb, o, i0 == 0 ? next_v : nullptr); break;
+        case 3: if constexpr (PQ >= 3) values<3>(i0, v, vs, lim, pb, o, i0 == 0 ? next_v : nullptr); break;
+        default: if constexpr (PQ >= 4) values<4>(i0, v, vs, lim, pb, o, i0 == 0 ? next_v : nullptr); break;
+      }
+    }
+  }
+
+  // o[i] = sum_t p_t v_t for queries i0 .. i0 + NG - 1, over key pairs (t, t + 1) in key order; each query
+  // stops at its own limit
+  template <int NG>
+  static void values(int i0, const uint16_t* v, int64_t vs, const int* lim, const uint16_t* pb, float* o,
+                     const uint16_t* next_v) {
+    int nmax = 0;
+    for (int i = i0; i < i0 + NG; ++i) nmax = std::max(nmax, lim[i]);
+    __m512 acc[NG][NV];
+    for (int i = 0; i < NG; ++i)
       for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
     for (int t = 0; t < nmax; t += 2) {
       if (next_v)  // values of the chunk that comes next
@@ -217,16 +249,16 @@ struct Attn {
         x[2 * b] = _mm512_unpacklo_epi16(va, vb);
         x[2 * b + 1] = _mm512_unpackhi_epi16(va, vb);
       }
-      for (int i = 0; i < NQ; ++i) {
-        if (t >= lim[i]) continue;
+      for (int i = 0; i < NG; ++i) {
+        if (t >= lim[i0 + i]) continue;
         uint32_t pair;
-        std::memcpy(&pair, pb + i * CHUNK + t, 4);
+        std::memcpy(&pair, pb + (i0 + i) * CHUNK + t, 4);
         const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
         for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], pp, (__m512bh)x[j]);
       }
     }
-    for (int i = 0; i < NQ; ++i)
-      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + i * D + 16 * j, acc[i][j]);
+    for (int i = 0; i < NG; ++i)
+      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + (i0 + i) * D + 16 * j, acc[i][j]);
   }
 
   static void chunk_n(int nq, const uint32_t* const* q, const uint32_t* KT, const uint16_t* v, int64_t vs,
@@ -234,8 +266,10 @@ struct Attn {
     switch (nq) {
       case 1: chunk<1>(q, KT, v, vs, lim, s, pb, part, o, next_v); break;
       case 2: chunk<2>(q, KT, v, vs, lim, s, pb, part, o, next_v); break;
-      case 3: if constexpr (QT >= 3) chunk<3>(q, KT, v, vs, lim, s, pb, part, o, next_v); break;
-      default: if constexpr (QT >= 4) chunk<4>(q, KT, v, vs, lim, s, pb, part, o, next_v); break;
+      case 3: chunk<3>(q, KT, v, vs, lim, s, pb, part, o, next_v); break;
+      case 4: chunk<4>(q, KT, v, vs, lim, s, pb, part, o, next_v); break;
+      case 5: chunk<5>(q, KT, v, vs, lim, s, pb, part, o, next_v); break;
+      default: chunk<6>(q, KT, v, vs, lim, s, pb, part, o, next_v); break;
     }
   }
 
