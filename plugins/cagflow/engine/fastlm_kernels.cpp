@@ -130,13 +130,8 @@ struct Attn {
   static inline int dim_of(int v, int e) { return 32 * (v / 2) + 8 * (e / 4) + 4 * (v % 2) + (e % 4); }
 
   // KT[p * CHUNK + t] = pair p of key t for t < n; zero rows up to the next multiple of 16
-  // (next_k: keys of the chunk that comes next, fetched into cache while this one is transposed)
-  static void transpose_keys(const uint16_t* k, int64_t ks, int n, uint32_t* KT, const uint16_t* next_k) {
+  static void transpose_keys(const uint16_t* k, int64_t ks, int n, uint32_t* KT) {
     for (int t0 = 0; t0 < n; t0 += 16) {
-      if (next_k)
-        for (int j = t0; j < t0 + 16; ++j)
-          for (int line = 0; line < D * 2; line += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(next_k + j * ks) + line, _MM_HINT_T1);
       const bool full = t0 + 16 <= n;
       for (int pb = 0; pb < NP; pb += 16) {
         __m512i r[16];
@@ -155,10 +150,11 @@ struct Attn {
   }
 
   // One chunk for a tile of NQ queries (pre-scaled bf16, viewed as NP pairs each): keys [0, nmax) of the
-  // chunk (transposed in KT, values v with row stride vs); query i sees the first lim[i] keys.
+  // chunk (transposed in KT, values v with row stride vs); query i sees the first lim[i] keys. next_v,
+  // next_k: the chunk that comes next, fetched into cache meanwhile (or null).
   template <int NQ>
   static void chunk(const uint32_t* const* q, const uint32_t* KT, const uint16_t* v, int64_t vs, const int* lim,
-                    float* s, uint16_t* pb, Partial* part, float* o, const uint16_t* next_v) {
+                    float* s, uint16_t* pb, Partial* part, float* o, const uint16_t* next_v, const uint16_t* next_k) {
     int nmax = 0;
     for (int i = 0; i < NQ; ++i) nmax = std::max(nmax, lim[i]);
     // scores, KB * 16 keys at a time; two chains (even / odd pairs) per query and key, added at the end. All
@@ -170,6 +166,13 @@ struct Attn {
       for (int i = 0; i < NQ; ++i)
         for (int b = 0; b < KB; ++b) { a0[i][b] = _mm512_setzero_ps(); a1[i][b] = _mm512_setzero_ps(); }
       for (int p = 0; p < NP; p += 2) {
+        if (next_k) {  // the next chunk's keys (CHUNK rows of D, contiguous), a few lines per step: issued
+                       // all at once, during the transposition, most of them were dropped
+          constexpr int ITER = CHUNK / (16 * KB) * (NP / 2), LINES = CHUNK * D * 2 / 64 / ITER;
+          const int it = t0 / (16 * KB) * (NP / 2) + p / 2;
+          for (int l = 0; l < LINES; ++l)
+            _mm_prefetch(reinterpret_cast<const char*>(next_k) + 64 * (it * LINES + l), _MM_HINT_T1);
+        }
         __m512bh k0[KB], k1[KB];
         for (int b = 0; b < KB; ++b) {
           k0[b] = (__m512bh)_mm512_loadu_si512(KT + p * CHUNK + t0 + 16 * b);
@@ -262,14 +265,15 @@ struct Attn {
   }
 
   static void chunk_n(int nq, const uint32_t* const* q, const uint32_t* KT, const uint16_t* v, int64_t vs,
-                      const int* lim, float* s, uint16_t* pb, Partial* part, float* o, const uint16_t* next_v) {
+                      const int* lim, float* s, uint16_t* pb, Partial* part, float* o, const uint16_t* next_v,
+                      const uint16_t* next_k) {
     switch (nq) {
-      case 1: chunk<1>(q, KT, v, vs, lim, s, pb, part, o, next_v); break;
-      case 2: chunk<2>(q, KT, v, vs, lim, s, pb, part, o, next_v); break;
-      case 3: chunk<3>(q, KT, v, vs, lim, s, pb, part, o, next_v); break;
-      case 4: chunk<4>(q, KT, v, vs, lim, s, pb, part, o, next_v); break;
-      case 5: chunk<5>(q, KT, v, vs, lim, s, pb, part, o, next_v); break;
-      default: chunk<6>(q, KT, v, vs, lim, s, pb, part, o, next_v); break;
+      case 1: chunk<1>(q, KT, v, vs, lim, s, pb, part, o, next_v, next_k); break;
+      case 2: chunk<2>(q, KT, v, vs, lim, s, pb, part, o, next_v, next_k); break;
+      case 3: chunk<3>(q, KT, v, vs, lim, s, pb, part, o, next_v, next_k); break;
+      case 4: chunk<4>(q, KT, v, vs, lim, s, pb, part, o, next_v, next_k); break;
+      case 5: chunk<5>(q, KT, v, vs, lim, s, pb, part, o, next_v, next_k); break;
+      default: chunk<6>(q, KT, v, vs, lim, s, pb, part, o, next_v, next_k); break;
     }
   }
 
@@ -369,6 +373,7 @@ void attend_impl(const AttnArgs& A) {
         vp = A.sv + r0 * A.sv_r + h * A.sv_h + c * CHUNK * A.sv_t, vs = A.sv_t;
       }
       // prefetch the next prefix chunk (of this head, or the next head's first) while this one is computed
+      // (the keys as CHUNK contiguous rows: where the prefix's rows have gaps, only the values)
       const uint16_t *next_k = nullptr, *next_v = nullptr;
       if (is_prefix && c + 1 < n_pchunks) {
         next_k = kp + CHUNK * ks;
@@ -377,7 +382,8 @@ void attend_impl(const AttnArgs& A) {
         next_k = A.pk + (h + 1) * A.pk_h;
         next_v = A.pv + (h + 1) * A.pv_h;
       }
-      K::transpose_keys(kp, ks, n, KT.data(), next_k);
+      if (A.pk_t != D) next_k = nullptr;
+      K::transpose_keys(kp, ks, n, KT.data());
       bool first_tile = true;
       for (int64_t r = r0; r < r1; ++r) {
         for (int64_t tr = 0; tr < tiles_per_row; ++tr) {
@@ -393,7 +399,7 @@ void attend_impl(const AttnArgs& A) {
           if (!any) continue;
           const size_t slot = static_cast<size_t>(tile) * slots + slot_c;
           K::chunk_n(nq, qp, KT.data(), vp, vs, lim, s.data(), pb.data(), pstat.data() + slot * QT,
-                     pbuf.data() + slot * QT * D, first_tile ? next_v : nullptr);
+                     pbuf.data() + slot * QT * D, first_tile ? next_v : nullptr, first_tile ? next_k : nullptr);
           first_tile = false;
         }
       }
