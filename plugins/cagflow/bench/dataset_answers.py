@@ -124,8 +124,10 @@ def _cell(answers: list[dict]) -> dict | None:
 
 
 def summarise(rows: list[dict]) -> dict:
-    """Cells per language, kind and route; the auto route also by the route it took; and the answerable
-    questions a cache route answered from another document than theirs."""
+    """Cells per language, kind and route; the auto route also by the route it took; where several routes
+    were asked, how many questions some route got right (no choice of route per question can do better: the
+    ceiling of routing over these answers); and the answerable questions a cache route answered from another
+    document than theirs."""
     table: dict = {}
     for language in sorted({row["language"] for row in rows}):
         for kind in ("answerable", "near_miss", "unrelated"):
@@ -137,6 +139,10 @@ def summarise(rows: list[dict]) -> dict:
             cells["auto by route taken"] = {route: _cell([row["auto"] for row in mine if "auto" in row
                                                           and (row["auto"].get("route") or "error") == route])
                                             for route in taken}
+            asked = [route for route in ROUTES if cells[route] is not None]
+            if len(asked) > 1:
+                cells["some route"] = {"asked": len(mine), "routes": asked, "right": sum(
+                    any(row[route]["right"] for route in asked if route in row) for row in mine)}
             table[f"{language} {kind}"] = cells
     timing = {route: route_timing([row[route] for row in rows if route in row]) for route in ROUTES}
     wrong_document = [row["id"] for row in rows if row["doc_id"] and "auto" in row
@@ -293,6 +299,9 @@ def print_summary(title: str, summary: dict) -> None:
         taken = ", ".join(f"{route} {cell['right']}/{cell['asked']}"
                           for route, cell in sorted(cells["auto by route taken"].items()))
         print(f"{'':<22}auto by route taken: {taken}")
+        if "some route" in cells:
+            best = cells["some route"]
+            print(f"{'':<22}right on some route ({', '.join(best['routes'])}): {best['right']}/{best['asked']}")
         for route in ROUTES:
             if cells[route] is not None and cells[route]["p50_stages_ms"]:
                 print(f"{'':<22}{route} p50 ms by stage: {format_breakdown(cells[route]['p50_stages_ms'])}")

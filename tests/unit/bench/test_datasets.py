@@ -138,6 +138,10 @@ def test_verdicts_come_from_the_record_not_from_the_words(tmp_path):
     assert (answerable["cache"]["right"], answerable["retrieval"]["right"], answerable["auto"]["right"]) == (1, 0, 1)
     assert answerable["auto"]["unsupported"] == 1 and answerable["auto"]["p50_ttft_s"] == 0.5
     assert summary["table"]["en near_miss"]["auto"]["decline_reasons"] == {"model": 1}
+    # question 1 is right on cache and auto, question 2 declined on retrieval and auto: each right on some route
+    assert answerable["some route"] == {"asked": 1, "routes": ["auto", "cache", "retrieval"], "right": 1}
+    assert summary["table"]["en near_miss"]["some route"]["right"] == 1
+    assert "some route" not in summary["table"]["en unrelated"]  # asked on auto alone
     assert summary["table"]["en unrelated"]["auto"]["share"] == 0.0
     assert summary["wrong_document_cache_routes"] == ["1"]  # answered from beta's snapshot
 
