@@ -1,8 +1,11 @@
 """Which signal tells a wrong answer from a right one? A trial in one process, on a public dataset's half.
 
 Every answerable and near-miss question of the half is asked on the cache route (its article's snapshot, the
-engine of ``config.yaml``; ``--focus-tokens N`` quotes the document's closest sentences ahead of the question),
-and each answer the model gives is rated three ways, none of which the engine acts on here:
+engine of ``config.yaml``; ``--focus-tokens N`` quotes the document's closest sentences ahead of the question;
+``--contrast ALPHA`` decodes by context-aware decoding instead of greedily: each token maximises
+(1 + ALPHA) log p(token | document, question) - ALPHA log p(token | question alone), among the tokens at least a
+tenth as likely as the best one with the document, which favours what the document says over what the model
+would say without it), and each answer the model gives is rated three ways, none of which the engine acts on here:
 
 - ``answer_check``: the engine's answer check (rule ``not_in_documents``), the model asked over the same
   document whether the text gives this answer to this question (P("yes"));
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -32,7 +36,7 @@ from cagflow.bench import scoring
 from cagflow.bench.datasets import load_dataset
 from cagflow.config import load_config
 from cagflow.documents.parsing import parse_file
-from cagflow.engine.answers import document_body
+from cagflow.engine.answers import Decoded, document_body
 from cagflow.engine.engine import Engine
 
 QUOTE_CHECK = {"en": 'Sentence: "{sentence}"\nQuestion: "{question}"\nDoes the sentence answer exactly this question? '
@@ -69,6 +73,37 @@ def rate(engine: Engine, question: str, language: str, snapshot, answer: str) ->
             "decline_logprob": decline_logprob}
 
 
+@torch.inference_mode()
+def contrast_answer(engine: Engine, question: str, snapshot, alpha: float, budget: int = 64):
+    """The answer decoded with context-aware decoding (module docstring), graded as the engine grades one."""
+    fast = engine.fast
+    decoded = Decoded(time.perf_counter())
+    reused = len(snapshot.prefix_token_ids)
+    rows = [[(snapshot.keys, snapshot.values), engine.prompt_ids(question, snapshot)[reused:]],
+            [None, engine.prompt_ids(question)]]  # with the document; the question alone
+    for row in rows:
+        prefix, suffix = row
+        keys, values = fast._new_suffix(1, 16 * math.ceil((len(suffix) + budget) / 16))
+        hidden = fast._block(torch.tensor([suffix]), prefix, keys, values, torch.zeros(1, dtype=torch.long))
+        row[:] = [prefix, keys, values, len(suffix), fast._head(hidden[0, -1:])[0]]
+    while len(decoded.tokens) < budget:
+        with_document, alone = (row[4].float().log_softmax(-1) for row in rows)
+        score = (1 + alpha) * with_document - alpha * alone
+        score[with_document < with_document.max() + math.log(0.1)] = -math.inf
+        token = int(score.argmax())
+        decoded.ttft_s = decoded.ttft_s or time.perf_counter() - decoded.started
+        if token in engine.eos_ids:
+            decoded.finish = "eos"
+            break
+        decoded.tokens.append(token)
+        for row in rows:
+            hidden = fast._block(torch.tensor([[token]]), row[0], row[1], row[2], torch.tensor([row[3]]))
+            row[3] += 1
+            row[4] = fast._head(hidden[:, 0])[0]
+    return decoded.answer(engine.tokenizer, snapshot, None, question, "cache", reused + len(rows[0]), reused,
+                          engine.disabled_rules)
+
+
 def sweep(records: list[dict]) -> dict:
     """Per signal and threshold: of the answered records, the right ones it declines, the near-miss ones it
     catches, the wrong answerable ones it stops."""
@@ -91,6 +126,7 @@ def main() -> None:
     parser.add_argument("--dataset", required=True, help="a dataset under bench/datasets or a path")
     parser.add_argument("--split", choices=("calibration", "report"), required=True)
     parser.add_argument("--focus-tokens", type=int, default=0)
+    parser.add_argument("--contrast", type=float, default=0.0, metavar="ALPHA")
     args = parser.parse_args()
     dataset = load_dataset(args.dataset)
     engine = Engine.from_config(load_config().model)
@@ -106,7 +142,8 @@ def main() -> None:
             parts = engine.split(entry.doc_id, entry.version, parse_file(dataset.corpus.file(entry), entry.title))
             snapshots[question.article] = engine.precompute(parts[0])  # the public articles fit one part
         snapshot = snapshots[question.article]
-        answer = engine.answer(question.question, snapshot, max_new_tokens=64)
+        answer = (contrast_answer(engine, question.question, snapshot, args.contrast) if args.contrast
+                  else engine.answer(question.question, snapshot, max_new_tokens=64))
         record = {"id": question.id, "kind": question.kind, "question": question.question,
                   "answers": list(question.answers), "answer": answer.text, "answered": answer.answered,
                   "decline_reason": answer.decline_reason, "ttft_s": answer.ttft_s,
@@ -123,11 +160,13 @@ def main() -> None:
                "f1": statistics.fmean(record["f1"] for record in answerable) if answerable else None,
                "p50_ttft_s": statistics.median(record["ttft_s"] for record in records) if records else None}
     result = {"dataset": dataset.name, "split": args.split, "focus_tokens": args.focus_tokens,
-              "model": engine.fingerprint, "summary": summary, "sweep": sweep(records), "records": records}
+              "contrast": args.contrast, "model": engine.fingerprint, "summary": summary, "sweep": sweep(records),
+              "records": records}
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out = Path(__file__).parent / "results" / f"signals-{dataset.name}-{args.split}-{stamp}.json"
     out.write_text(json.dumps(result, ensure_ascii=False, indent=1))
-    print(f"\n{dataset.name} {args.split}, focus {args.focus_tokens}: answerable right {summary['answerable_right']}/"
+    print(f"\n{dataset.name} {args.split}, focus {args.focus_tokens}, contrast {args.contrast}: answerable right "
+          f"{summary['answerable_right']}/"
           f"{summary['answerable']}, near-miss declined {summary['near_miss_declined']}/{summary['near_miss']}, "
           f"TTFT p50 {summary['p50_ttft_s']:.2f} s")
     for signal, rows in result["sweep"].items():
