@@ -13,7 +13,7 @@ would say without it), and each answer the model gives is rated three ways, none
   quoted from (``answering.quotes``) answers exactly this question (P("yes")), the document left out;
 - ``decline_logprob``: the log-probability of the decline sentence as the reply, after the same prompt.
 
-Usage: python bench/answer_signals.py --dataset squad2-dev --split calibration [--focus-tokens 128]
+Usage: python bench/answer_signals.py --dataset squad2-dev --split calibration [--focus-tokens 128 | --contrast 0.5]
 Writes bench/results/signals-<dataset>-<split>-<time>.json (every answer and rating) and prints, per signal
 and threshold, what declining below it would do: right answers lost, near-miss questions caught, wrong
 answers to answerable questions stopped (bench/README "Signals for declining").
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from cagflow.answering.prompt import wording
+from cagflow.answering.prompt import WORDINGS, wording
 from cagflow.answering.quotes import quote
 from cagflow.bench import scoring
 from cagflow.bench.datasets import load_dataset
@@ -48,7 +48,7 @@ GRIDS = {"answer_check": [0.3, 0.4, 0.5, 0.55, 0.6, 0.66, 0.7, 0.8],
 
 
 def _yes(engine: Engine, logits: torch.Tensor, language: str) -> float:
-    words = wording("问" if language == "zh" else "q")
+    words = WORDINGS[language]
     yes, no = (engine.prompts.encode(word)[0] for word in (words.yes, words.no))
     return float(torch.softmax(logits[[yes, no]].float(), dim=0)[0])
 
