@@ -26,6 +26,7 @@ import json
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from cagflow.config import load_config
 from cagflow.documents.parsing import parse_file
 from cagflow.engine.answers import Decoded, document_body
 from cagflow.engine.engine import Engine
+from cagflow.engine.weights_file import round_up
 
 QUOTE_CHECK = {"en": 'Sentence: "{sentence}"\nQuestion: "{question}"\nDoes the sentence answer exactly this question? '
                      "Reply Yes or No.",
@@ -73,23 +75,35 @@ def rate(engine: Engine, question: str, language: str, snapshot, answer: str) ->
             "decline_logprob": decline_logprob}
 
 
+@dataclass
+class _Row:
+    """One of the two prompts context-aware decoding runs side by side: its prefix, suffix K/V, length so far
+    and the logits of its next token."""
+
+    prefix: object
+    keys: list
+    values: list
+    length: int
+    logits: torch.Tensor
+
+
 @torch.inference_mode()
 def contrast_answer(engine: Engine, question: str, snapshot, alpha: float, budget: int = 64):
-    """The answer decoded with context-aware decoding (module docstring), graded as the engine grades one."""
+    """The answer decoded with context-aware decoding (module docstring), graded as the engine grades one.
+    ``FastLM.steps`` picks its own (greedy) tokens, so the two prompts are stepped here, block by block."""
     fast = engine.fast
     decoded = Decoded(time.perf_counter())
     reused = len(snapshot.prefix_token_ids)
-    rows = [[(snapshot.keys, snapshot.values), engine.prompt_ids(question, snapshot)[reused:]],
-            [None, engine.prompt_ids(question)]]  # with the document; the question alone
-    for row in rows:
-        prefix, suffix = row
-        keys, values = fast._new_suffix(1, 16 * math.ceil((len(suffix) + budget) / 16))
+    with_document = engine.prompt_ids(question, snapshot)[reused:]
+    rows = []
+    for prefix, suffix in (((snapshot.keys, snapshot.values), with_document), (None, engine.prompt_ids(question))):
+        keys, values = fast._new_suffix(1, round_up(len(suffix) + budget, 16))
         hidden = fast._block(torch.tensor([suffix]), prefix, keys, values, torch.zeros(1, dtype=torch.long))
-        row[:] = [prefix, keys, values, len(suffix), fast._head(hidden[0, -1:])[0]]
+        rows.append(_Row(prefix, keys, values, len(suffix), fast._head(hidden[0, -1:])[0]))
     while len(decoded.tokens) < budget:
-        with_document, alone = (row[4].float().log_softmax(-1) for row in rows)
-        score = (1 + alpha) * with_document - alpha * alone
-        score[with_document < with_document.max() + math.log(0.1)] = -math.inf
+        document, alone = (row.logits.float().log_softmax(-1) for row in rows)
+        score = (1 + alpha) * document - alpha * alone
+        score[document < document.max() + math.log(0.1)] = -math.inf
         token = int(score.argmax())
         decoded.ttft_s = decoded.ttft_s or time.perf_counter() - decoded.started
         if token in engine.eos_ids:
@@ -97,10 +111,10 @@ def contrast_answer(engine: Engine, question: str, snapshot, alpha: float, budge
             break
         decoded.tokens.append(token)
         for row in rows:
-            hidden = fast._block(torch.tensor([[token]]), row[0], row[1], row[2], torch.tensor([row[3]]))
-            row[3] += 1
-            row[4] = fast._head(hidden[:, 0])[0]
-    return decoded.answer(engine.tokenizer, snapshot, None, question, "cache", reused + len(rows[0]), reused,
+            hidden = fast._block(torch.tensor([[token]]), row.prefix, row.keys, row.values, torch.tensor([row.length]))
+            row.length += 1
+            row.logits = fast._head(hidden[:, 0])[0]
+    return decoded.answer(engine.tokenizer, snapshot, None, question, "cache", reused + len(with_document), reused,
                           engine.disabled_rules)
 
 
